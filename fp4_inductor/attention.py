@@ -1,0 +1,87 @@
+"""The function rewritten graphs call in place of an attention site.
+
+Quantization is plain torch code here, so once AOTAutograd traces it Inductor fuses it
+into whatever produced Q, K and V.  Autograd is a ``torch.autograd.Function`` around
+quantize + ``fp4attn::fwd``: the op's inputs are integer codes, which carry no gradient,
+so the gradient must be attached where the high-precision inputs are still in view
+(a straight-through estimator for the rounding, exact for the attention itself).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import formats as F
+from . import ops  # noqa: F401  (registers torch.ops.fp4attn)
+
+# Finite stand-in for -inf in additive masks: a row whose every key is masked then
+# averages its keys, as eager does with finfo.min masks, instead of producing NaN.
+MASKED_LOG2 = -1e30
+
+
+def _mask_to_log2_bias(attn_mask: torch.Tensor | None) -> torch.Tensor | None:
+    if attn_mask is None:
+        return None
+    if attn_mask.dtype == torch.bool:
+        return torch.where(attn_mask, 0.0, MASKED_LOG2)
+    return (attn_mask.float() * F.LOG2E).clamp(min=MASKED_LOG2)
+
+
+class _LowPrecisionAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, bias, sm_scale, causal, fmt, p_mode):
+        q8, q_scale = F.quantize_q(q, sm_scale)
+        k8, k_scale = F.quantize_k(k)
+        v8t, v_scale = F.quantize_v(v, fmt)
+        out, lse = torch.ops.fp4attn.fwd(q8, k8, v8t, q_scale, k_scale, v_scale, bias, causal, p_mode, q.dtype)
+        ctx.save_for_backward(q8, k8, v8t, q_scale, k_scale, v_scale, bias, out, lse)
+        ctx.sm_scale, ctx.causal, ctx.p_mode = sm_scale, causal, p_mode
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q8, k8, v8t, q_scale, k_scale, v_scale, bias, out, lse = ctx.saved_tensors
+        do8, do_scale = F.quantize_do(dout, lse, ctx.p_mode)
+        delta = (do8.float() * do_scale[..., None, None] * out.float()).sum(dim=-1)
+        qe, qe_scale, ke, ke_scale = F.backward_operands(q8, q_scale, k8, k_scale)
+        dq, dk, dv = torch.ops.fp4attn.bwd(
+            do8, do_scale, delta, q8, k8, v8t, q_scale, k_scale, v_scale, qe, qe_scale, ke, ke_scale,
+            bias, lse, ctx.causal, ctx.p_mode, dout.dtype,
+        )
+        return dq * ctx.sm_scale, dk, dv, None, None, None, None, None
+
+
+def default_p_mode(fmt: str) -> str:
+    return "fp4" if fmt == "fp4" else "direct"
+
+
+def lowp_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    scale=None,
+    is_causal: bool = False,
+    *,
+    fmt: str = "fp8",
+    p_mode: str | None = None,
+) -> torch.Tensor:
+    """Drop-in for ``F.scaled_dot_product_attention`` (no dropout) in low precision.
+
+    ``q``: ``[B, H, Nq, D]`` or ``[B, Nq, D]``; ``k``, ``v``: same rank with ``Hkv``
+    dividing ``H`` (GQA/MQA without repeating K/V).  ``attn_mask``: boolean (True keeps)
+    or additive, broadcastable to ``[B, H, Nq, Nk]``.  ``scale``: float, SymFloat or
+    0-d tensor; None means ``1 / sqrt(D)``.  ``is_causal`` is top-left aligned, as SDPA.
+    """
+    squeeze = q.dim() == 3
+    if squeeze:
+        q, k, v = q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)
+        if attn_mask is not None and attn_mask.dim() == 3:
+            attn_mask = attn_mask.unsqueeze(1)
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    bias = _mask_to_log2_bias(attn_mask)
+    out = _LowPrecisionAttention.apply(q, k, v, bias, scale, is_causal, fmt, p_mode or default_p_mode(fmt))
+    return out.squeeze(1) if squeeze else out

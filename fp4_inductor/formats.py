@@ -1,0 +1,280 @@
+"""Quantization numerics: the single source of truth for every kernel and the reference.
+
+Everything here is plain torch code.  The same functions quantize inputs inside the
+rewritten graph (where Inductor fuses them into the producers) and define, in
+`reference.py`, what the GPU kernels must compute bit for bit.
+
+Conventions (both formats):
+- Q and K are INT8 (Q per token, smoothed K per 128-token block); V, P, dS are E4M3
+  and dO is E5M2.  Scores are handled in log2 units, ``x = s * log2(e)``; the softmax
+  scale is folded into Q before quantization, so ``s = (q8 * q_scale) . (k8 * k_scale)``.
+- The row reference ``m`` is an integer (``ceil`` of the running row maximum).  Moving
+  an integer reference by ``d`` shifts every E4M3 code by ``8 d`` and every E8M0 block
+  exponent by ``d``, so probabilities rebuilt in backward against another integer
+  reference are the same codes, scaled by an exact power of two.
+- A probability operand ``p`` stands for ``2 ** (x - m + LIFT)``; the row sum is the
+  sum of those same operand values, so numerator and denominator describe one operator.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+E4M3 = torch.float8_e4m3fn
+E5M2 = torch.float8_e5m2
+E4M3_MAX = 448.0
+E5M2_MAX = 57344.0
+INT8_MAX = 127.0
+
+FORMATS = ("fp8", "fp4")
+P_MODES = ("exp", "direct", "fp4")
+
+# Token blocks sharing one K (or E4M3 Q/K view) scale.  Kernels use key tiles of exactly this size
+# (the reference emulates the same running-max schedule) and query tiles that divide it.
+SCALE_BLOCK = 128
+KEY_TILE = 128
+
+# fp8 P: code = 8 (x - m) + 120 puts the row maximum at code 120 = 2**8 (FA3 lifts P by
+# 256 too); 0x7F is NaN in E4M3, so codes clamp to [0, 126].
+FP8_P_CODE_AT_MAX = 120.0
+FP8_P_MAX_CODE = 126.0
+
+# fp4 P: per-32-key E8M0 block exponent, E2M1 payload from the paper's affine classifier
+# u = max(0, A x + B), placed inside an E4M3 container lifted by 2**6 (6 * 64 <= 448).
+FP4_BLOCK = 32
+FP4_AFFINE = (1.50, 1.20)
+FP4_CONTAINER_SHIFT = 6
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+# Midpoints between neighbouring E2M1 magnitudes; a value exactly on one rounds down.
+E2M1_BOUNDARIES = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+
+# dS is quantized with one scale per (query tile, key tile) of this shape, so the scale
+# factors out of both dQ = dS K and dK = dS^T Q.
+DS_TILE = (128, 128)
+
+
+def p_lift(p_mode: str) -> float:
+    """log2 of the operand value that stands for probability 1 at the row reference."""
+    if p_mode == "fp4":
+        return FP4_CONTAINER_SHIFT + math.log2(6.0)
+    return 8.0
+
+
+# ---------------------------------------------------------------- input quantization
+
+
+def _block_view(x: torch.Tensor, block: int) -> tuple[torch.Tensor, int]:
+    """[..., N, D] -> [..., ceil(N / block), block, D], zero padded."""
+    n = x.shape[-2]
+    nb = (n + block - 1) // block
+    pad = nb * block - n
+    if pad:
+        x = torch.nn.functional.pad(x, (0, 0, 0, pad))
+    return x.unflatten(-2, (nb, block)), n
+
+
+def _amax_scale(amax: torch.Tensor, fmax: float) -> torch.Tensor:
+    # All-zero blocks get scale 1 so the division below stays finite; NaN/Inf propagate.
+    return torch.where(amax > 0, amax / fmax, torch.ones_like(amax))
+
+
+def _cast(x: torch.Tensor, dtype: torch.dtype, fmax: float) -> torch.Tensor:
+    # torch's float8 cast is not saturating: clamp first (NaN stays NaN).
+    return x.clamp(-fmax, fmax).to(dtype)
+
+
+def quantize_blockwise(x: torch.Tensor, dtype: torch.dtype = E4M3) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-SCALE_BLOCK-token E4M3/E5M2 quantization of ``[B, H, N, D]``.
+
+    Returns the codes, same shape, and float32 scales ``[B, H, ceil(N / SCALE_BLOCK)]``.
+    """
+    fmax = E4M3_MAX if dtype == E4M3 else E5M2_MAX
+    xb, n = _block_view(x.float(), SCALE_BLOCK)
+    scale = _amax_scale(xb.abs().amax(dim=(-2, -1)), fmax)
+    codes = _cast(xb / scale[..., None, None], dtype, fmax).flatten(-3, -2)[..., :n, :]
+    return codes, scale
+
+
+def quantize_q(q: torch.Tensor, sm_scale) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q times the softmax scale as INT8 with one scale per token.
+
+    INT8 rather than E4M3 for the score product: on Gaussian inputs E4M3 Q/K alone
+    cost 0.039 rel-L2 of the output, INT8 0.012 (docs/perf-notes.md), Hopper runs both
+    at the same tensor-core rate, and the int32 accumulation is exact, so backward
+    recomputes bit-identical scores in any order.  A per-token scale costs nothing:
+    the kernel multiplies each score row by its row scale anyway.
+    """
+    x = q.float() * sm_scale
+    scale = _amax_scale(x.abs().amax(dim=-1), INT8_MAX)
+    return _round_int8(x / scale[..., None]), scale
+
+
+def smooth_k(k: torch.Tensor) -> torch.Tensor:
+    """Subtract K's mean over tokens: every score in a row moves by the same q.mean,
+    which softmax ignores, and outlier channels stop dominating the block scales."""
+    kf = k.float()
+    return kf - kf.mean(dim=-2, keepdim=True)
+
+
+def quantize_k(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Smoothed K as INT8 with one scale per SCALE_BLOCK tokens (a scalar per key tile)."""
+    xb, n = _block_view(smooth_k(k), SCALE_BLOCK)
+    scale = _amax_scale(xb.abs().amax(dim=(-2, -1)), INT8_MAX)
+    return _round_int8(xb / scale[..., None, None]).flatten(-3, -2)[..., :n, :], scale
+
+
+def _round_int8(x: torch.Tensor) -> torch.Tensor:
+    # NaN has no INT8 code: it becomes 0 here, and the scale (amax of a NaN block is
+    # NaN) carries it into every score of the row or tile instead.
+    return torch.round(x).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+
+
+def dequantize_q(q8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return q8.float() * scale[..., None]
+
+
+def dequantize_k(k8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return k8.float() * expand_block_scale(scale, k8.shape[-2])[..., None]
+
+
+def quantize_v(v: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """V as E4M3 values stored K-major (``[B, H, D, N]``) with one scale per head.
+
+    One scale per head because forward contracts V over tokens and backward over
+    channels: a per-token or per-channel scale would sit inside one of the two sums.
+    ``fmt="fp4"`` stores exact MXFP4 values (E2M1 times a per-32-token E8M0 scale) in the
+    E4M3 container: exact unless a block lies 2**15 below the head's largest block.
+    """
+    vf = v.float()
+    if fmt == "fp4":
+        vf = mxfp4_round(vf)
+        amax = vf.abs().amax(dim=(-2, -1))
+        exp = torch.where(amax > 0, torch.ceil(torch.log2(amax / 6.0)), torch.zeros_like(amax))
+        scale = torch.exp2(exp)  # container holds at most 6: exact E2M1 times 2**k
+        codes = _cast(vf / scale[..., None, None], E4M3, E4M3_MAX)
+    else:
+        scale = _amax_scale(vf.abs().amax(dim=(-2, -1)), E4M3_MAX)
+        codes = _cast(vf / scale[..., None, None], E4M3, E4M3_MAX)
+    return codes.transpose(-1, -2).contiguous(), scale
+
+
+def e2m1_round(u: torch.Tensor) -> torch.Tensor:
+    """Round non-negative values to the nearest E2M1 magnitude (ties round down)."""
+    out = torch.zeros_like(u)
+    for boundary, lo, hi in zip(E2M1_BOUNDARIES, E2M1_VALUES[:-1], E2M1_VALUES[1:]):
+        out = out + torch.where(u > boundary, hi - lo, 0.0)
+    return torch.where(torch.isnan(u), u, out)
+
+
+def mxfp4_round(x: torch.Tensor) -> torch.Tensor:
+    """MXFP4 values of ``[..., N, D]``: blocks of 32 tokens per channel share an E8M0
+    exponent chosen so the block maximum is at most 6."""
+    xb, n = _block_view(x, FP4_BLOCK)
+    amax = xb.abs().amax(dim=-2, keepdim=True)
+    exp = torch.where(amax > 0, torch.ceil(torch.log2(amax / 6.0)), torch.zeros_like(amax))
+    scale = torch.exp2(exp)
+    q = torch.sign(xb) * e2m1_round(xb.abs() / scale)
+    return (q * scale).flatten(-3, -2)[..., :n, :]
+
+
+def quantize_do(do: torch.Tensor, lse: torch.Tensor, p_mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """dO for backward, E5M2 with one scale per head (it is contracted over channels in
+    dP = dO V^T and over tokens in dV = P^T dO).
+
+    Rows are first multiplied by ``2 ** (R - LIFT - lse2)`` with ``R = ceil(lse2)``: the
+    factor turns the probability operand rebuilt against reference R into the
+    normalized probability, so it never touches the P codes.  Returns (codes, scale).
+    """
+    dof = do.float() * backward_row_factor(lse, p_mode)[..., None]
+    scale = _amax_scale(dof.abs().amax(dim=(-2, -1)), E5M2_MAX)
+    return _cast(dof / scale[..., None, None], E5M2, E5M2_MAX), scale
+
+
+def backward_reference(lse: torch.Tensor) -> torch.Tensor:
+    """Integer row reference used to rebuild P in backward from the natural-log LSE."""
+    return torch.ceil(lse * LOG2E)
+
+
+def backward_row_factor(lse: torch.Tensor, p_mode: str) -> torch.Tensor:
+    lse2 = lse * LOG2E
+    return torch.exp2(torch.ceil(lse2) - p_lift(p_mode) - lse2)
+
+
+def expand_block_scale(scale: torch.Tensor, n: int) -> torch.Tensor:
+    """Per-block scales ``[..., nb]`` repeated to one per token ``[..., n]``."""
+    return scale.repeat_interleave(SCALE_BLOCK, dim=-1)[..., :n]
+
+
+def dequantize_blockwise(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return codes.float() * expand_block_scale(scale, codes.shape[-2])[..., None]
+
+
+def backward_operands(q8, q_scale, k8, k_scale):
+    """E4M3 views of Q and K for dK = dS^T Q and dQ = dS K (dS is E4M3, and one tensor
+    core product cannot mix INT8 and FP8), derived from the saved INT8 codes."""
+    qe, qe_scale = quantize_blockwise(dequantize_q(q8, q_scale))
+    ke, ke_scale = quantize_blockwise(dequantize_k(k8, k_scale))
+    return qe, qe_scale, ke, ke_scale
+
+
+# ---------------------------------------------------------------- probability operands
+
+
+def e4m3_value(code: torch.Tensor) -> torch.Tensor:
+    """float32 value of non-negative E4M3 codes 0..126 (given as float integers)."""
+    return code.to(torch.uint8).view(E4M3).float()
+
+
+def direct_p_codes(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """Direct-P: E4M3 code from the log2 score with one FMA and a clamp.
+
+    The E4M3 bit pattern read as an integer is 8 log2(value) + 56 at every power of two
+    and linear in between, so ``8 (x - m) + 120`` is the code of ``2 ** (x - m + 8)``
+    up to the piecewise-linear error (at most +6.1 %, one-sided).  ``x * 8`` is exact,
+    so one rounding happens, the same with or without FMA contraction.
+    """
+    t = x * 8.0 + (FP8_P_CODE_AT_MAX - 8.0 * m)
+    return torch.round(t.clamp(0.0, FP8_P_MAX_CODE))
+
+
+def probability_operand(x: torch.Tensor, m: torch.Tensor, p_mode: str) -> torch.Tensor:
+    """The float32 value of the E4M3 P operand fed to the P.V product.
+
+    ``x``: ``[..., rows, keys]`` log2 scores of one key tile (-inf where masked);
+    ``m``: ``[..., rows, 1]`` integer row reference with ``m >= max(x)``.
+    """
+    if p_mode == "direct":
+        return e4m3_value(direct_p_codes(x, m))
+    if p_mode == "exp":
+        return torch.exp2(x - m + 8.0).to(E4M3).float()
+    if p_mode == "fp4":
+        return fp4_probability(x, m)
+    raise ValueError(f"unknown p_mode {p_mode!r}")
+
+
+def fp4_probability(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """The paper's Direct-P for MXFP4: per 32 keys an E8M0 exponent e from the block
+    maximum, then the E2M1 payload q = round(max(0, A xc + B)) with
+    ``xc = x - m - e + log2 6``; the container holds ``q * 2 ** (e + 6)``."""
+    a, b = FP4_AFFINE
+    xb = x.unflatten(-1, (-1, FP4_BLOCK))
+    rel = xb - m[..., None]
+    e = torch.ceil(rel.amax(dim=-1, keepdim=True))
+    live = torch.isfinite(e)
+    e = torch.where(live, e, torch.zeros_like(e))
+    xc = rel - e + math.log2(6.0)
+    q = e2m1_round(torch.clamp(a * xc + b, min=0.0))
+    q = torch.where(live & (rel > -math.inf), q, torch.zeros_like(q))
+    p = (q * torch.exp2(e + FP4_CONTAINER_SHIFT)).to(E4M3).float()
+    return p.flatten(-2)
+
+
+def quantize_ds(ds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """dS of one (query tile, key tile) as E4M3 with the tile's amax scale."""
+    amax = ds.abs().amax(dim=(-2, -1), keepdim=True)
+    scale = _amax_scale(amax, E4M3_MAX)
+    return _cast(ds / scale, E4M3, E4M3_MAX).float(), scale

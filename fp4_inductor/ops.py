@@ -1,0 +1,116 @@
+"""Custom ops ``torch.ops.fp4attn.fwd`` and ``torch.ops.fp4attn.bwd``.
+
+They take already-quantized operands (quantization is aten code in the rewritten graph,
+see ``attention.py``), so Inductor fuses it into the producers.  Where a GPU kernel
+exists it runs; everywhere else, and if a kernel fails at run time (with one warning),
+the reference emulation in ``reference.py`` computes the same numbers.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from . import reference
+from .kernels import forward_kernel
+
+_warned: set[str] = set()
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def _bnhd_empty(like: torch.Tensor, heads: int, rows: int, dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """``[B, H, N, D]`` stored as ``[B, N, H, D]``: the layout ``out.transpose(1, 2)
+    .reshape(B, N, H * D)`` reads without a copy (and the kernels write)."""
+    return torch.empty(like.shape[0], rows, heads, dim, dtype=dtype, device=like.device).transpose(1, 2)
+
+
+@torch.library.custom_op("fp4attn::fwd", mutates_args=())
+def attention_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v_t: torch.Tensor,
+    q_scale: torch.Tensor,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    causal: bool,
+    p_mode: str,
+    out_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention over INT8 Q ``[B, H, Nq, D]`` (per-token scale), INT8 K ``[B, Hkv, Nk, D]``
+    (per-block scale), E4M3 V stored K-major ``[B, Hkv, D, Nk]`` (per-head scale) and an
+    optional float32 log2-unit bias broadcastable to ``[B, H, Nq, Nk]``.
+    Returns O ``[B, H, Nq, D]`` (stored ``[B, Nq, H, D]``) and the natural-log LSE
+    ``[B, H, Nq]`` of the represented probabilities."""
+    b, h, nq, d = q.shape
+    out = _bnhd_empty(q, h, nq, d, out_dtype)
+    lse = torch.empty(b, h, nq, dtype=torch.float32, device=q.device)
+    kernel = forward_kernel(q, p_mode)
+    if kernel is not None:
+        try:
+            kernel(q, k, v_t, q_scale, k_scale, v_scale, bias, causal, p_mode, out, lse)
+            return out, lse
+        except Exception as err:  # never kill the model: same numbers from the reference
+            _warn_once("fwd", f"fp4attn forward kernel failed ({err!r}); using the reference path")
+    o, l = reference.attention_forward(q, k, v_t, q_scale, k_scale, v_scale, bias, causal, p_mode, out_dtype)
+    out.copy_(o)
+    lse.copy_(l)
+    return out, lse
+
+
+@attention_fwd.register_fake
+def _(q, k, v_t, q_scale, k_scale, v_scale, bias, causal, p_mode, out_dtype):
+    b, h, nq, d = q.shape
+    return _bnhd_empty(q, h, nq, d, out_dtype), q.new_empty(b, h, nq, dtype=torch.float32)
+
+
+@torch.library.custom_op("fp4attn::bwd", mutates_args=())
+def attention_bwd(
+    do: torch.Tensor,
+    do_scale: torch.Tensor,
+    delta: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v_t: torch.Tensor,
+    q_scale: torch.Tensor,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    qe: torch.Tensor,
+    qe_scale: torch.Tensor,
+    ke: torch.Tensor,
+    ke_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    lse: torch.Tensor,
+    causal: bool,
+    p_mode: str,
+    out_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients from the forward's saved operands; see ``reference.attention_backward``.
+    dQ is w.r.t. Q times the softmax scale.  All three are stored ``[B, N, H, D]``."""
+    h, hkv, d = q.shape[1], k.shape[1], q.shape[-1]
+    dq = _bnhd_empty(q, h, q.shape[2], d, out_dtype)
+    dk = _bnhd_empty(k, hkv, k.shape[2], d, out_dtype)
+    dv = _bnhd_empty(k, hkv, k.shape[2], d, out_dtype)
+    grads = reference.attention_backward(
+        do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale, qe, qe_scale, ke, ke_scale,
+        bias, lse, causal, p_mode, out_dtype,
+    )
+    for dst, src in zip((dq, dk, dv), grads):
+        dst.copy_(src)
+    return dq, dk, dv
+
+
+@attention_bwd.register_fake
+def _(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale, qe, qe_scale, ke, ke_scale, bias, lse, causal, p_mode, out_dtype):
+    h, hkv, d = q.shape[1], k.shape[1], q.shape[-1]
+    return (
+        _bnhd_empty(q, h, q.shape[2], d, out_dtype),
+        _bnhd_empty(k, hkv, k.shape[2], d, out_dtype),
+        _bnhd_empty(k, hkv, k.shape[2], d, out_dtype),
+    )

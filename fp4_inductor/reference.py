@@ -1,0 +1,152 @@
+"""Reference attention: what the kernels compute, emulated in torch.
+
+The forward walks key tiles of ``formats.KEY_TILE`` in order with an integer running
+maximum, exactly like the kernels, so P codes match bit for bit and outputs differ only
+by float32 summation order.  The backward rebuilds P against ``ceil(lse2)`` (see
+``formats.quantize_do``).  On CPU (and wherever no kernel exists) the custom ops run
+these functions.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import formats as F
+
+
+def _heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """Repeat K/V heads for GQA (reference only; kernels index the shared head)."""
+    return x.repeat_interleave(heads // x.shape[1], dim=1) if x.shape[1] != heads else x
+
+
+def _group_sum(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    b, h = x.shape[:2]
+    return x.unflatten(1, (kv_heads, h // kv_heads)).sum(dim=2) if h != kv_heads else x
+
+
+def _fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    # a * b is exact in float64, so this rounds once, as a fused multiply-add does.
+    return (a.double() * b.double() + c.double()).float()
+
+
+def log2_scores(
+    q8: torch.Tensor,
+    k8: torch.Tensor,
+    q_scale: torch.Tensor,
+    k_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    causal: bool,
+    keys: slice,
+) -> torch.Tensor:
+    """``x = (q8 . k8) * (q_scale * log2e * k_scale) + bias`` for one key range,
+    -inf above the diagonal when causal (top-left aligned, as SDPA's ``is_causal``)."""
+    nq, nk = q8.shape[-2], k8.shape[-2]
+    # INT8 products summed exactly (|acc| < 2**24, so the float32 value is exact too).
+    k = _heads(k8, q8.shape[1])[..., keys, :].long()
+    acc = (q8.long() @ k.transpose(-1, -2)).float()
+    row = q_scale * F.LOG2E
+    col = _heads(F.expand_block_scale(k_scale, nk)[..., keys], q8.shape[1])
+    t = row[..., :, None] * col[..., None, :]
+    if bias is None:
+        x = acc * t
+    else:
+        b = bias.expand(*q8.shape[:2], nq, nk)[..., keys]
+        x = _fma(acc, t, b)
+    if causal:
+        rows = torch.arange(nq, device=x.device)[:, None]
+        cols = torch.arange(nk, device=x.device)[keys][None, :]
+        x = x.masked_fill(cols > rows, float("-inf"))
+    return x
+
+
+def _probability(x: torch.Tensor, m: torch.Tensor, p_mode: str) -> torch.Tensor:
+    pad = (-x.shape[-1]) % F.FP4_BLOCK if p_mode == "fp4" else 0
+    if pad:
+        x = torch.nn.functional.pad(x, (0, pad), value=float("-inf"))
+    p = F.probability_operand(x, m, p_mode)
+    return p[..., : p.shape[-1] - pad] if pad else p
+
+
+def attention_forward(
+    q8: torch.Tensor,
+    k8: torch.Tensor,
+    v8t: torch.Tensor,
+    q_scale: torch.Tensor,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    causal: bool,
+    p_mode: str,
+    out_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns O ``[B, H, Nq, D]`` in ``out_dtype`` and the natural-log LSE ``[B, H, Nq]``."""
+    b, h, nq, d = q8.shape
+    nk = k8.shape[-2]
+    v = _heads(v8t.transpose(-1, -2), h).float()
+    m = torch.full((b, h, nq, 1), float("-inf"), device=q8.device)
+    l = torch.zeros((b, h, nq, 1), device=q8.device)
+    acc = torch.zeros((b, h, nq, d), device=q8.device)
+    for start in range(0, nk, F.KEY_TILE):
+        keys = slice(start, min(start + F.KEY_TILE, nk))
+        x = log2_scores(q8, k8, q_scale, k_scale, bias, causal, keys)
+        m_new = torch.maximum(m, torch.ceil(x.amax(dim=-1, keepdim=True)))
+        # Rows with every key so far masked keep reference -inf and contribute nothing.
+        alpha = torch.where(m_new == m, 1.0, torch.exp2(m - m_new))
+        p = _probability(x, m_new, p_mode)
+        l = l * alpha + p.sum(dim=-1, keepdim=True)
+        acc = acc * alpha + p @ v[..., keys, :]
+        m = m_new
+    out = acc * (_heads(v_scale, h)[..., None, None] / l)
+    lse = (m + torch.log2(l) - F.p_lift(p_mode)) * F.LN2
+    return out.to(out_dtype), lse.squeeze(-1)
+
+
+def _quantize_ds_tiles(ds: torch.Tensor) -> torch.Tensor:
+    """dS rounded to E4M3 with one amax scale per ``DS_TILE`` (returned dequantized)."""
+    tm, tn = F.DS_TILE
+    nq, nk = ds.shape[-2:]
+    pm, pn = (-nq) % tm, (-nk) % tn
+    x = torch.nn.functional.pad(ds, (0, pn, 0, pm))
+    x = x.unflatten(-1, (-1, tn)).unflatten(-3, (-1, tm)).transpose(-3, -2)
+    codes, scale = F.quantize_ds(x)
+    deq = (codes * scale).transpose(-3, -2).flatten(-4, -3).flatten(-2)
+    return deq[..., :nq, :nk]
+
+
+def attention_backward(
+    do8: torch.Tensor,
+    do_scale: torch.Tensor,
+    delta: torch.Tensor,
+    q8: torch.Tensor,
+    k8: torch.Tensor,
+    v8t: torch.Tensor,
+    q_scale: torch.Tensor,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    qe: torch.Tensor,
+    qe_scale: torch.Tensor,
+    ke: torch.Tensor,
+    ke_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    lse: torch.Tensor,
+    causal: bool,
+    p_mode: str,
+    out_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients w.r.t. the quantized operands' real values: dQ (for Q times the softmax
+    scale), dK, dV.  ``do8`` is dO times ``formats.backward_row_factor`` in E5M2,
+    ``delta = rowsum(dequantized do8 * O)``, and ``qe``/``ke`` are the E4M3 views of
+    ``formats.backward_operands``."""
+    h, hkv = q8.shape[1], k8.shape[1]
+    nk = k8.shape[-2]
+    x = log2_scores(q8, k8, q_scale, k_scale, bias, causal, slice(0, nk))
+    p = _probability(x, F.backward_reference(lse)[..., None], p_mode)
+    do = do8.float() * do_scale[..., None, None]
+    v = _heads(v8t.transpose(-1, -2), h).float() * _heads(v_scale, h)[..., None, None]
+    ds = _quantize_ds_tiles(p * (do @ v.transpose(-1, -2) - delta[..., None]))
+    k = _heads(F.dequantize_blockwise(ke, ke_scale), h)
+    q = F.dequantize_blockwise(qe, qe_scale)
+    dq = ds @ k
+    dk = _group_sum(ds.transpose(-1, -2) @ q, hkv)
+    dv = _group_sum(p.transpose(-1, -2) @ do, hkv)
+    return dq.to(out_dtype), dk.to(out_dtype), dv.to(out_dtype)
