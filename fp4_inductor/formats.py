@@ -71,9 +71,8 @@ def _block_view(x: torch.Tensor, block: int) -> tuple[torch.Tensor, int]:
     """[..., N, D] -> [..., ceil(N / block), block, D], zero padded."""
     n = x.shape[-2]
     nb = (n + block - 1) // block
-    pad = nb * block - n
-    if pad:
-        x = torch.nn.functional.pad(x, (0, 0, 0, pad))
+    # Always pad (a zero pad is free): branching on a symbolic length would add a guard.
+    x = torch.nn.functional.pad(x, (0, 0, 0, nb * block - n))
     return x.unflatten(-2, (nb, block)), n
 
 

@@ -1,0 +1,119 @@
+"""The ``fp4attn`` torch.compile backend: rewrite attention sites, then Inductor.
+
+``torch.compile(model, backend="fp4attn")`` finds ``fp4attn`` through the package's
+``torch_dynamo_backends`` entry point and calls :func:`fp4attn` with the options of
+``configure()`` / FP4ATTN_*; :func:`backend` gives a backend with options of its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from pathlib import Path
+
+import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+from . import config
+from .config import Options
+from .patterns import find_sites, replace_site
+from .policy import Decision, decide
+
+_PACKAGE = Path(__file__).parent
+# Everything that decides what a rewritten graph contains.
+_SOURCES = ("attention.py", "config.py", "formats.py", "policy.py", "patterns")
+
+
+@dataclasses.dataclass(frozen=True)
+class SiteRecord:
+    """One attention site as ``explain()`` reports it."""
+
+    name: str
+    kind: str
+    shape: tuple | None
+    causal: bool
+    training: bool
+    path: str
+    reason: str
+    predicted_speedup: float | None
+
+
+def _source_digest() -> str:
+    h = hashlib.sha256()
+    for name in _SOURCES:
+        path = _PACKAGE / name
+        for file in sorted(path.rglob("*.py")) if path.is_dir() else [path]:
+            h.update(file.read_bytes())
+    return h.hexdigest()
+
+
+class AttentionRewritePass(CustomGraphPass):
+    """Rewrites the attention sites of a Dynamo graph in place and records each decision.
+
+    ``uuid()`` covers the sources of the pass, its patterns, the policy and the
+    numerics, and the options, so any cache keyed on it cannot serve a stale rewrite.
+    """
+
+    def __init__(self, options: Options):
+        self.options = options
+        self.records: list[SiteRecord] = []
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        for site in find_sites(graph):
+            decision = decide(site, self.options)
+            self.records.append(_record(site, decision))
+            if decision.low_precision:
+                p_mode = self.options.p_mode if self.options.fmt == "fp8" else None
+                replace_site(graph, site, decision.path, p_mode)
+
+    def uuid(self) -> str:
+        return hashlib.sha256(f"{_source_digest()}:{self.options!r}".encode()).hexdigest()
+
+
+def _record(site, decision: Decision) -> SiteRecord:
+    from .patterns.common import value
+
+    q = value(site.q)
+    return SiteRecord(
+        name=site.name,
+        kind=site.kind,
+        shape=site.shape(),
+        causal=site.causal,
+        training=bool(isinstance(q, torch.Tensor) and q.requires_grad),
+        path=decision.path,
+        reason=decision.reason,
+        predicted_speedup=decision.predicted_speedup,
+    )
+
+
+def rewrite(gm: torch.fx.GraphModule, options: Options) -> list[SiteRecord]:
+    rewrite_pass = AttentionRewritePass(options)
+    rewrite_pass(gm.graph)
+    gm.graph.lint()
+    gm.recompile()
+    return rewrite_pass.records
+
+
+def compile_graph(gm: torch.fx.GraphModule, example_inputs, options: Options):
+    from torch._inductor.compile_fx import compile_fx
+
+    rewrite(gm, options)
+    return compile_fx(gm, example_inputs)
+
+
+def fp4attn(gm: torch.fx.GraphModule, example_inputs):
+    """The registered backend: options from ``configure()`` and FP4ATTN_* at compile time."""
+    return compile_graph(gm, example_inputs, config.current())
+
+
+class backend:
+    """A backend with its own options: ``torch.compile(m, backend=fp4_inductor.backend(fmt="fp4"))``."""
+
+    def __init__(self, policy: str | None = None, fmt: str | None = None, **options):
+        self.options = config.current().replace(policy=policy, fmt=fmt, **options)
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs):
+        return compile_graph(gm, example_inputs, self.options)
+
+    def __repr__(self) -> str:
+        return f"fp4_inductor.backend({self.options})"

@@ -1,0 +1,68 @@
+"""User-facing options: ``configure()`` and the FP4ATTN_* environment variables.
+
+Options are read when a graph is compiled; a function already compiled keeps the
+decisions it was compiled with (call ``torch._dynamo.reset()`` to recompile).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from .formats import FORMATS, P_MODES
+
+POLICIES = ("auto", "always", "never")
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    policy: str = "auto"
+    fmt: str = "fp8"
+    # Advanced: the P operand mode for fmt="fp8" ("direct" or "exp"); None = format default.
+    p_mode: str | None = None
+
+    def __post_init__(self):
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.fmt not in FORMATS:
+            raise ValueError(f"fmt must be one of {FORMATS}, got {self.fmt!r}")
+        if self.p_mode is not None and self.p_mode not in P_MODES:
+            raise ValueError(f"p_mode must be one of {P_MODES}, got {self.p_mode!r}")
+
+    def replace(self, **changes) -> "Options":
+        return dataclasses.replace(self, **{k: v for k, v in changes.items() if v is not None})
+
+
+def _from_env() -> Options:
+    return Options(
+        policy=os.environ.get("FP4ATTN_POLICY", "auto").strip().lower(),
+        fmt=os.environ.get("FP4ATTN_FORMAT", "fp8").strip().lower(),
+    )
+
+
+_overrides: list[dict] = []
+
+
+def current() -> Options:
+    """Environment defaults with every active ``configure()`` applied in order."""
+    opts = _from_env()
+    for changes in _overrides:
+        opts = opts.replace(**changes)
+    return opts
+
+
+class configure:
+    """Set options for later compiles: ``fp4_inductor.configure(policy="always")``
+    applies until changed; ``with fp4_inductor.configure(fmt="fp4"): ...`` only inside."""
+
+    def __init__(self, policy: str | None = None, fmt: str | None = None, p_mode: str | None = None):
+        changes = {"policy": policy, "fmt": fmt, "p_mode": p_mode}
+        current().replace(**changes)  # validate now, not at the next compile
+        self._changes = changes
+        _overrides.append(changes)
+
+    def __enter__(self) -> "configure":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _overrides[:] = [c for c in _overrides if c is not self._changes]

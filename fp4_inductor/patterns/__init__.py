@@ -1,0 +1,99 @@
+"""Find attention sites in a Dynamo graph and rewrite the chosen ones.
+
+The rewrite happens on the torch-level graph, before AOTAutograd: the replacement is a
+call of ``attention.lowp_attention``, whose quantization AOTAutograd traces into aten
+code (fused by Inductor into the producers) and whose autograd gives training the FP8
+backward.  Matchers start at SDPA and softmax nodes and walk producers, so symbolic
+shapes do not stop them.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from ..attention import lowp_attention
+from .common import Site, kind, value
+from .sdpa import match_sdpa
+from .softmax import match_softmax
+
+MATCHERS = (match_sdpa, match_softmax)
+
+
+def find_sites(graph: fx.Graph) -> list[Site]:
+    sites = []
+    for node in list(graph.nodes):
+        for matcher in MATCHERS:
+            site = matcher(node)
+            if site is not None:
+                sites.append(site)
+                break
+    return sites
+
+
+def combine_masks(attn_mask, bias_terms, keep_masks, drop_masks):
+    """One additive mask from a site's masks (called inside the rewritten graph)."""
+    total = attn_mask
+    if total is not None and total.dtype == torch.bool:
+        total = torch.zeros_like(total, dtype=torch.float32).masked_fill(~total, float("-inf"))
+    for mask, factor in bias_terms:
+        term = mask.float() * factor
+        total = term if total is None else total + term
+    for keep, drop in [(m, False) for m in keep_masks] + [(m, True) for m in drop_masks]:
+        masked = keep if drop else ~keep
+        fill = torch.zeros(masked.shape, dtype=torch.float32, device=masked.device).masked_fill(masked, float("-inf"))
+        total = fill if total is None else total + fill
+    return total
+
+
+def _scale_arg(graph: fx.Graph, scale):
+    """A site's softmax scale as a float or a node: SDPA's value as given, or the product
+    of a hand-written site's factors (1.0 when Q came pre-scaled)."""
+    if not isinstance(scale, tuple):
+        return scale
+    result = 1.0
+    for factor, is_div in scale:
+        if isinstance(result, float) and isinstance(factor, (int, float)):
+            result = result / factor if is_div else result * factor
+        else:
+            result = graph.call_function(operator.truediv if is_div else operator.mul, (result, factor))
+    return result
+
+
+def replace_site(graph: fx.Graph, site: Site, fmt: str, p_mode: str | None) -> fx.Node:
+    anchor = site.anchor
+    with graph.inserting_before(anchor):
+        if site.bias_terms or site.keep_masks or site.drop_masks:
+            mask = graph.call_function(
+                combine_masks,
+                (site.attn_mask, tuple((m, _scale_arg(graph, f)) for m, f in site.bias_terms),
+                 tuple(site.keep_masks), tuple(site.drop_masks)),
+            )
+        else:
+            mask = site.attn_mask
+        new = graph.call_function(
+            lowp_attention,
+            (site.q, site.k, site.v),
+            {"attn_mask": mask, "scale": _scale_arg(graph, site.scale), "is_causal": site.causal,
+             "fmt": fmt, "p_mode": p_mode},
+        )
+        want = value(anchor).dtype
+        if value(site.q).dtype != want:
+            new = graph.call_method("to", (new, want))
+    new.meta.update(anchor.meta)
+    anchor.replace_all_uses_with(new)
+    erase_replaced(anchor)
+    return new
+
+
+def erase_replaced(node: fx.Node) -> None:
+    """Erase a replaced anchor and the chain that only fed it.  Unlike a general DCE this
+    stops at any node it does not recognise, so nothing with unknown effects goes."""
+    if node.users or node.op not in ("call_function", "call_method") or kind(node) is None:
+        return
+    inputs = [a for a in node.all_input_nodes]
+    node.graph.erase_node(node)
+    for a in inputs:
+        erase_replaced(a)

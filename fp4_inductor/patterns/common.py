@@ -1,0 +1,212 @@
+"""FX helpers shared by the matchers: what a Dynamo-graph node computes, its arguments
+whatever the spelling (function, method or operator), and the site description."""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+# Dynamo graphs spell one operation several ways; matchers ask for the canonical kind.
+_FUNCTION_KINDS = {
+    torch.matmul: "matmul",
+    operator.matmul: "matmul",
+    torch.bmm: "bmm",
+    torch.baddbmm: "baddbmm",
+    torch.einsum: "einsum",
+    torch.functional.einsum: "einsum",
+    torch.softmax: "softmax",
+    F.softmax: "softmax",
+    torch.transpose: "transpose",
+    torch.permute: "permute",
+    operator.mul: "mul",
+    operator.imul: "mul",
+    torch.mul: "mul",
+    operator.truediv: "div",
+    operator.itruediv: "div",
+    torch.div: "div",
+    torch.true_divide: "div",
+    operator.add: "add",
+    operator.iadd: "add",
+    torch.add: "add",
+    F.dropout: "dropout",
+    torch.dropout: "dropout",
+    torch.where: "where",
+    torch.masked_fill: "masked_fill",
+    F.scaled_dot_product_attention: "sdpa",
+    torch.repeat_interleave: "repeat_interleave",
+    torch.reshape: "reshape",
+    operator.getitem: "getitem",
+    torch.full: "full",
+    torch.tensor: "tensor",
+    torch.scalar_tensor: "tensor",
+}
+_METHOD_KINDS = {
+    "matmul": "matmul",
+    "bmm": "bmm",
+    "baddbmm": "baddbmm",
+    "softmax": "softmax",
+    "transpose": "transpose",
+    "permute": "permute",
+    "mul": "mul",
+    "mul_": "mul",
+    "div": "div",
+    "div_": "div",
+    "add": "add",
+    "add_": "add",
+    "masked_fill": "masked_fill",
+    "expand": "expand",
+    "reshape": "reshape",
+    "view": "reshape",
+    "repeat_interleave": "repeat_interleave",
+    "to": "cast",
+    "float": "cast",
+    "half": "cast",
+    "bfloat16": "cast",
+    "type_as": "cast",
+    "contiguous": "contiguous",
+}
+# Positional parameter names, for reading arguments however they were passed.
+_SIGNATURES = {
+    "softmax": ("input", "dim", "_stacklevel", "dtype"),
+    "dropout": ("input", "p", "training", "inplace"),
+    "transpose": ("input", "dim0", "dim1"),
+    "baddbmm": ("input", "batch1", "batch2"),
+    "sdpa": ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"),
+    "where": ("condition", "input", "other"),
+    "masked_fill": ("input", "mask", "value"),
+    "repeat_interleave": ("input", "repeats", "dim"),
+    "full": ("size", "fill_value"),
+    "tensor": ("data",),
+}
+
+
+def kind(node) -> str | None:
+    if not isinstance(node, fx.Node):
+        return None
+    if node.op == "call_function":
+        try:
+            return _FUNCTION_KINDS.get(node.target)
+        except TypeError:  # unhashable target
+            return None
+    if node.op == "call_method":
+        return _METHOD_KINDS.get(node.target)
+    return None
+
+
+def arg(node: fx.Node, index: int, name: str | None = None, default=None):
+    """Argument ``index`` (or keyword ``name``) of a call, by the kind's signature."""
+    if name is None:
+        name = _SIGNATURES[kind(node)][index]
+    if name in node.kwargs:
+        return node.kwargs[name]
+    if index < len(node.args):
+        return node.args[index]
+    return default
+
+
+def value(node) -> torch.Tensor | None:
+    """The example (fake) value Dynamo recorded for a node."""
+    if isinstance(node, fx.Node):
+        return node.meta.get("example_value", node.meta.get("val"))
+    return None
+
+
+def rank(node) -> int | None:
+    v = value(node)
+    return v.dim() if isinstance(v, torch.Tensor) else None
+
+
+def only_user(node: fx.Node) -> fx.Node | None:
+    users = list(node.users)
+    return users[0] if len(users) == 1 else None
+
+
+def swaps_last_two(node: fx.Node) -> fx.Node | None:
+    """The input of ``x.transpose(-2, -1)`` (any spelling, permute included), else None.
+
+    Only an exact swap of the last two dimensions qualifies: a permuted K that is not
+    this swap is not ``K^T`` (pytorch issue 195320) and the site must stay as written.
+    """
+    r = rank(node)
+    if r is None or r < 2:
+        return None
+    k = kind(node)
+    if k == "transpose":
+        dims = sorted(int(d) % r for d in (arg(node, 1), arg(node, 2)))
+        return node.args[0] if dims == [r - 2, r - 1] else None
+    if k == "permute":
+        dims = node.args[1:] if not isinstance(node.args[1], (list, tuple)) else node.args[1]
+        dims = [int(d) % r for d in dims]
+        return node.args[0] if dims == [*range(r - 2), r - 1, r - 2] else None
+    return None
+
+
+def constant_fill(node) -> float | None:
+    """A numeric fill value: a literal, or ``torch.full([], c)`` / ``torch.tensor(c)``."""
+    if isinstance(node, (int, float)) and not isinstance(node, bool):
+        return float(node)
+    k = kind(node)
+    if k == "full" and isinstance(arg(node, 1), (int, float)):
+        return float(arg(node, 1))
+    if k == "tensor" and isinstance(arg(node, 0), (int, float)):
+        return float(arg(node, 0))
+    return None
+
+
+def module_path(node: fx.Node) -> str:
+    """``layers.0.self_attn`` for the module the node was traced in ('' at top level)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    for prefix in ("L['self'].", "L['self']", "self."):
+        if path.startswith(prefix):
+            path = path[len(prefix):]
+    return path.replace("['", ".").replace("']", "").replace("[", ".").replace("]", "").strip(".")
+
+
+@dataclasses.dataclass
+class Site:
+    """One attention found in a graph, and what to call in its place.
+
+    ``q``/``k``/``v`` are ``[..., N, D]`` nodes (k not transposed); ``scale`` is a
+    float, a node, or None for SDPA's default; ``bias_terms`` are ``(mask, factor)``
+    additive masks; ``keep_masks``/``drop_masks`` boolean masks (True keeps / drops).
+    ``unsupported`` says why the site must stay as written.
+    """
+
+    kind: str
+    anchor: fx.Node
+    q: fx.Node | None = None
+    k: fx.Node | None = None
+    v: fx.Node | None = None
+    scale: object = None
+    causal: bool = False
+    attn_mask: fx.Node | None = None
+    bias_terms: list = dataclasses.field(default_factory=list)
+    keep_masks: list = dataclasses.field(default_factory=list)
+    drop_masks: list = dataclasses.field(default_factory=list)
+    unsupported: str | None = None
+    name: str = ""
+
+    def shape(self) -> tuple | None:
+        """(B, H, Hkv, Nq, Nkv, D) from the example values (size hints if symbolic)."""
+        qv, kv = value(self.q), value(self.k)
+        if not isinstance(qv, torch.Tensor) or not isinstance(kv, torch.Tensor):
+            return None
+        qs, ks = [_hint(d) for d in qv.shape], [_hint(d) for d in kv.shape]
+        if len(qs) == 3:
+            return (qs[0], 1, 1, qs[1], ks[1], qs[2])
+        if len(qs) == 4:
+            return (qs[0], qs[1], ks[1], qs[2], ks[2], qs[3])
+        return None
+
+
+def _hint(d) -> int:
+    if isinstance(d, torch.SymInt):
+        return d.node.hint if d.node.hint is not None else d.node.shape_env.size_hint(d.node.expr)
+    return int(d)
