@@ -1,9 +1,14 @@
 """GPU kernels.  ``forward_kernel`` returns a launcher for the inputs' device, or None
-where no kernel applies (then the ops run the reference emulation)."""
+where no kernel applies (then the ops run the reference emulation).
+
+``FP4ATTN_KERNELS=0`` turns the kernels off (the reference runs instead), which is how
+to compare the two on one machine.
+"""
 
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -13,12 +18,26 @@ def _is_sm90(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) == (9, 0)
 
 
+@functools.cache
+def _triton_forward():
+    try:
+        from .triton import attention_fwd
+    except ImportError:  # no Triton in this environment: the reference path serves
+        return None
+    return attention_fwd.attention_forward
+
+
 def has_forward_kernel(device: torch.device) -> bool:
-    """Whether a low-precision forward kernel exists for this device (policy uses this)."""
-    return device.type == "cuda" and _is_sm90(device.index if device.index is not None else torch.cuda.current_device())
+    """Whether low-precision forward kernels run on this device (the policy asks this)."""
+    if os.environ.get("FP4ATTN_KERNELS", "1") == "0" or device.type != "cuda":
+        return False
+    return _is_sm90(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def forward_kernel(q: torch.Tensor, p_mode: str):
+    """The Triton sm_90 forward launcher for D in {64, 128}, else None."""
     if not has_forward_kernel(q.device):
         return None
-    return None
+    if q.shape[-1] not in (64, 128) or p_mode not in ("direct", "exp", "fp4"):
+        return None
+    return _triton_forward()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+import re
 
 import torch
 import torch.fx as fx
@@ -67,6 +68,7 @@ _METHOD_KINDS = {
     "half": "cast",
     "bfloat16": "cast",
     "type_as": "cast",
+    "type": "cast",
     "contiguous": "contiguous",
 }
 # Positional parameter names, for reading arguments however they were passed.
@@ -163,10 +165,11 @@ def module_path(node: fx.Node) -> str:
     if not stack:
         return ""
     path = list(stack.values())[-1][0]
-    for prefix in ("L['self'].", "L['self']", "self."):
-        if path.startswith(prefix):
-            path = path[len(prefix):]
-    return path.replace("['", ".").replace("']", "").replace("[", ".").replace("]", "").strip(".")
+    # Dynamo names the root by how it was reached: L['self'], L['fn'], L['args'][0] ...
+    path = re.sub(r"^L\['[^']*'\](\[\d+\])?", "", path)
+    path = re.sub(r"\[['\"]?([^'\"\]]+)['\"]?\]", r".\1", path)
+    path = re.sub(r"^(\.?_modules\.|\.)", "", path)
+    return path.replace("._modules.", ".").strip(".")
 
 
 @dataclasses.dataclass

@@ -1,0 +1,1 @@
+"""Triton kernels (imported lazily: Triton is only needed on a GPU)."""

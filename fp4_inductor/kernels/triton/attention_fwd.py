@@ -1,0 +1,321 @@
+"""Hopper (sm_90) forward attention in Triton: INT8 Q.K^T, E4M3 P.V.
+
+Computes exactly what ``reference.attention_forward`` specifies: key tiles of
+``formats.KEY_TILE`` keys in ascending order, an integer running row maximum, and the
+probability operand of ``formats.probability_operand`` (bit-identical codes), with
+float32 accumulation.  Only the order of float32 sums differs from the reference.
+
+One kernel family, specialised at compile time on the P mode, causal masking, bias and
+head dim.  The launcher keeps the caller's strides (O is written in its [B, N, H, D]
+storage), indexes the shared K/V head for GQA/MQA, and never copies K or V.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ... import formats as F
+
+_P_MODE_ID = {"direct": 0, "exp": 1, "fp4": 2}
+BLOCK_N = F.KEY_TILE  # one K scale per key tile: the tile must be the scale block
+assert F.KEY_TILE == F.SCALE_BLOCK == 128
+
+LOG2E = F.LOG2E
+LN2 = F.LN2
+# int32 + 0x4B400000 read as float32 is 1.5 * 2**23 + acc exactly while |acc| < 2**22
+# (INT8 dot over D <= 128: |acc| <= 128 * 127**2 < 2**21).  An integer add and a float
+# add instead of I2F, which issues at a quarter of the FP32 rate on sm_90.
+I2F_MAGIC_BITS = 0x4B400000
+I2F_MAGIC = 12582912.0
+# y + 2**23 rounds y in [0, 2**22) to the nearest integer, ties to even, and leaves that
+# integer in the low mantissa bits: round + convert + byte extract without F2I.
+RNE_MAGIC = 8388608.0
+# An E4M3 code c shifted left by 20 is the float32 bit pattern of value(c) * 2**-120
+# (exponent and mantissa fields line up; codes 1..7 become float32 subnormals).
+E4M3_DECODE_SCALE = 2.0**120
+
+
+@triton.jit
+def _max_propagate_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _e2m1_round(u):
+    """Nearest E2M1 magnitude of u >= 0 (ties round down, as formats.e2m1_round)."""
+    q = tl.where(u > 0.25, 0.5, 0.0)
+    q += tl.where(u > 0.75, 0.5, 0.0)
+    q += tl.where(u > 1.25, 0.5, 0.0)
+    q += tl.where(u > 1.75, 0.5, 0.0)
+    q += tl.where(u > 2.5, 1.0, 0.0)
+    q += tl.where(u > 3.5, 1.0, 0.0)
+    q += tl.where(u > 5.0, 2.0, 0.0)
+    return q
+
+
+@triton.jit
+def _probability(x, m_new, P_MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """E4M3 P operand of one key tile and its row sum (of the same E4M3 values)."""
+    if P_MODE == 0:
+        # Direct-P.  x <= m_new, so y <= 120 and only the lower clamp can act.
+        y = x * 8.0 + (120.0 - 8.0 * m_new)[:, None]
+        bits = (tl.maximum(y, 0.0) + 8388608.0).to(tl.int32, bitcast=True)
+        p = bits.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+        tiny = (bits << 20).to(tl.float32, bitcast=True)
+        l_tile = tl.sum(tiny, 1) * 1.329227995784916e36  # 2**120
+    elif P_MODE == 1:
+        p = tl.math.exp2(x - m_new[:, None] + 8.0).to(tl.float8e4nv)
+        l_tile = tl.sum(p.to(tl.float32), 1)
+    else:
+        FP4_BLOCK: tl.constexpr = 32
+        rel = tl.reshape(x - m_new[:, None], (BLOCK_M, BLOCK_N // FP4_BLOCK, FP4_BLOCK))
+        e = tl.math.ceil(tl.reduce(rel, 2, _max_propagate_nan))
+        live = e > float("-inf")
+        e = tl.where(live, e, 0.0)
+        xc = rel - e[:, :, None] + 2.584962500721156  # log2(6)
+        # mul_rn: the reference rounds a*xc before adding b; keep ptxas from fusing.
+        u = tl.maximum(tl.extra.cuda.libdevice.mul_rn(xc, 1.5) + 1.2, 0.0)
+        q = _e2m1_round(u)
+        q = tl.where(live[:, :, None] & (rel > float("-inf")), q, 0.0)
+        # 2**(e + 6) built from its exponent bits; below 2**-126 it is 0 (E4M3 rounds any
+        # such value to 0 anyway).
+        ebits = tl.maximum(e.to(tl.int32) + (127 + 6), 0) << 23
+        scale = ebits.to(tl.float32, bitcast=True)
+        p = tl.reshape(q * scale[:, :, None], (BLOCK_M, BLOCK_N)).to(tl.float8e4nv)
+        l_tile = tl.sum(p.to(tl.float32), 1)
+    return p, l_tile
+
+
+@triton.jit
+def _load_kv(K, VT, k_ptrs, v_ptrs, b, hk, start_n, NK, stride_kn, stride_vn,
+             USE_TMA: tl.constexpr, MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr):
+    """K^T [D, BLOCK_N] and V^T [D, BLOCK_N] of one key tile, both K-major as the 8-bit
+    wgmma wants.  TMA zero-fills keys past NK; the pointer path masks them."""
+    if USE_TMA:
+        k = tl.trans(K.load([b, hk, start_n, 0]).reshape(BLOCK_N, HEAD_DIM))
+        v = VT.load([b, hk, 0, start_n]).reshape(HEAD_DIM, BLOCK_N)
+    elif MASKED:
+        key_ok = (start_n + tl.arange(0, BLOCK_N)) < NK
+        k = tl.load(k_ptrs + start_n * stride_kn, mask=key_ok[None, :], other=0)
+        v = tl.load(v_ptrs + start_n * stride_vn, mask=key_ok[None, :], other=0.0)
+    else:
+        k = tl.load(k_ptrs + start_n * stride_kn)
+        v = tl.load(v_ptrs + start_n * stride_vn)
+    return k, v
+
+
+@triton.jit
+def _attend(
+    acc, l_i, m_i, q, row_t, K, VT, k_ptrs, v_ptrs, b_ptrs, ks_ptr, b, hk,
+    offs_m, offs_n, start, stop, NK, stride_kn, stride_vn, stride_bn,
+    P_MODE: tl.constexpr, CAUSAL: tl.constexpr, BIAS_MODE: tl.constexpr, MASKED: tl.constexpr,
+    USE_TMA: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Key tiles [start, stop): MASKED=False for tiles wholly inside the sequence and
+    below the diagonal, so the common loop carries no masking arithmetic."""
+    for start_n in range(start, stop, BLOCK_N):
+        k, v = _load_kv(K, VT, k_ptrs, v_ptrs, b, hk, start_n, NK, stride_kn, stride_vn,
+                        USE_TMA, MASKED, HEAD_DIM, BLOCK_N)
+        s = tl.dot(q, k, out_dtype=tl.int32)
+        s = (s + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0  # exact int32 -> f32
+        t = row_t * tl.load(ks_ptr + start_n // BLOCK_N)
+        key_ok = (start_n + offs_n) < NK
+        if BIAS_MODE == 0:
+            x = s * t[:, None]
+        else:
+            if BIAS_MODE == 1:  # the same bias row for every query (key padding)
+                if MASKED:
+                    bias = tl.load(b_ptrs + start_n * stride_bn, mask=key_ok, other=0.0)[None, :]
+                else:
+                    bias = tl.load(b_ptrs + start_n * stride_bn)[None, :]
+            else:
+                if MASKED:
+                    bias = tl.load(b_ptrs + start_n * stride_bn, mask=key_ok[None, :], other=0.0)
+                else:
+                    bias = tl.load(b_ptrs + start_n * stride_bn)
+            x = tl.fma(s, t[:, None], bias)  # one rounding, as the reference's FMA
+        if MASKED:
+            ok = key_ok[None, :]
+            if CAUSAL:
+                ok = ok & ((start_n + offs_n)[None, :] <= offs_m[:, None])
+            x = tl.where(ok, x, float("-inf"))
+        m_new = tl.maximum(m_i, tl.math.ceil(tl.reduce(x, 1, _max_propagate_nan)),
+                           propagate_nan=tl.PropagateNan.ALL)
+        # Rows still fully masked keep m = -inf and alpha = 1; NaN rows stay NaN.
+        alpha = tl.where(m_new == m_i, 1.0, tl.math.exp2(m_i - m_new))
+        p, l_tile = _probability(x, m_new, P_MODE, BLOCK_M, BLOCK_N)
+        l_i = l_i * alpha + l_tile
+        acc = tl.dot(p, tl.trans(v), acc * alpha[:, None])
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _fwd_kernel(
+    Q, K, VT, QS, KS, VS, BIAS, OUT, LSE,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vd, stride_vn,
+    stride_qsb, stride_qsh, stride_qsm,
+    stride_ksb, stride_ksh, stride_ksn,
+    stride_vsb, stride_vsh,
+    stride_bb, stride_bh, stride_bm, stride_bn,
+    stride_ob, stride_oh, stride_om, stride_od,
+    stride_lb, stride_lh, stride_lm,
+    H, GROUP, NQ, NK, N_BUCKET,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    P_MODE: tl.constexpr, CAUSAL: tl.constexpr, BIAS_MODE: tl.constexpr, USE_TMA: tl.constexpr,
+    LIFT: tl.constexpr,
+):
+    # Causal: the last query tiles carry the most key tiles; launch them first.
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0) if CAUSAL else tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    hk = h // GROUP  # GQA/MQA: read the shared K/V head in place
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m < NQ
+
+    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
+                mask=row_ok[:, None], other=0)
+    q_scale = tl.load(QS + b * stride_qsb + h * stride_qsh + offs_m * stride_qsm, mask=row_ok, other=0.0)
+    row_t = q_scale * 1.4426950408889634  # LOG2E, rounded to float32 like the reference
+
+    k_ptrs = K
+    v_ptrs = VT
+    if not USE_TMA:
+        k_ptrs = K + b * stride_kb + hk * stride_kh + offs_d[:, None] * stride_kd + offs_n[None, :] * stride_kn
+        v_ptrs = VT + b * stride_vb + hk * stride_vh + offs_d[:, None] * stride_vd + offs_n[None, :] * stride_vn
+    ks_ptr = KS + b * stride_ksb + hk * stride_ksh
+    b_ptrs = BIAS + b * stride_bb + h * stride_bh
+    if BIAS_MODE == 1:
+        b_ptrs = b_ptrs + offs_n * stride_bn
+    elif BIAS_MODE == 2:
+        # Padded query rows read row 0 instead of running past the bias.
+        b_ptrs = b_ptrs + tl.where(row_ok, offs_m, 0)[:, None] * stride_bm + offs_n[None, :] * stride_bn
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+
+    # Tiles wholly inside the keys (and, causal, wholly at or below the diagonal of the
+    # tile's first row) need no mask; the rest (a diagonal band and the tail) do.
+    full_end = (NK // BLOCK_N) * BLOCK_N
+    hi = NK
+    if CAUSAL:
+        hi = tl.minimum(NK, (pid_m + 1) * BLOCK_M)
+        full_end = tl.minimum(full_end, ((pid_m * BLOCK_M + 1) // BLOCK_N) * BLOCK_N)
+    acc, l_i, m_i = _attend(acc, l_i, m_i, q, row_t, K, VT, k_ptrs, v_ptrs, b_ptrs, ks_ptr, b, hk,
+                            offs_m, offs_n, 0, full_end, NK, stride_kn, stride_vn, stride_bn,
+                            P_MODE, CAUSAL, BIAS_MODE, False, USE_TMA, HEAD_DIM, BLOCK_M, BLOCK_N)
+    acc, l_i, m_i = _attend(acc, l_i, m_i, q, row_t, K, VT, k_ptrs, v_ptrs, b_ptrs, ks_ptr, b, hk,
+                            offs_m, offs_n, full_end, hi, NK, stride_kn, stride_vn, stride_bn,
+                            P_MODE, CAUSAL, BIAS_MODE, True, USE_TMA, HEAD_DIM, BLOCK_M, BLOCK_N)
+
+    v_scale = tl.load(VS + b * stride_vsb + hk * stride_vsh)
+    r = tl.extra.cuda.libdevice.div_rn(tl.full([BLOCK_M], 1.0, tl.float32) * v_scale, l_i)
+    out = acc * r[:, None]
+    o_ptrs = OUT + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od
+    tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=row_ok[:, None])
+    lse = (m_i + tl.math.log2(l_i) - LIFT) * 0.6931471805599453  # LN2
+    tl.store(LSE + b * stride_lb + h * stride_lh + offs_m * stride_lm, lse, mask=row_ok)
+
+
+# ------------------------------------------------------------------------ launch
+
+# (BLOCK_M, num_warps, num_stages).  BLOCK_M must divide KEY_TILE or equal it (the
+# causal mask split above assumes so).  128/8 keeps two warpgroups per program sharing
+# each K/V tile; 64/4 gives several independent programs per SM, which overlap one
+# program's softmax with another's tensor-core work.
+CONFIGS = [(128, 8, 2), (128, 8, 3), (64, 4, 2), (64, 4, 3)]
+# Used when autotuning is off (the default for correctness runs); see docs/perf-notes.md.
+DEFAULT_CONFIG = (128, 8, 2)
+
+
+def _n_bucket(n: int) -> int:
+    """Autotune key: the power of two at or above n, so nearby lengths share a tuning."""
+    return 1 << max(n - 1, 1).bit_length()
+
+
+_tuned = triton.autotune(
+    configs=[triton.Config({"BLOCK_M": bm}, num_warps=w, num_stages=s) for bm, w, s in CONFIGS],
+    key=["N_BUCKET", "HEAD_DIM", "P_MODE", "CAUSAL", "BIAS_MODE", "USE_TMA"],
+)(_fwd_kernel)
+
+
+def _autotune_enabled() -> bool:
+    return os.environ.get("FP4ATTN_AUTOTUNE", "0") == "1"
+
+
+def _descriptor(t: torch.Tensor, block_shape):
+    """A TMA descriptor over a 4-D tensor in place, or None where TMA cannot address it
+    (base or a stride not 16-byte aligned, last dim not contiguous)."""
+    if t.stride(-1) != 1 or t.data_ptr() % 16:
+        return None
+    strides = list(t.stride())
+    # A size-1 dim's stride is never used; give it a legal (aligned) value.
+    for i in range(3):
+        if t.shape[i] == 1:
+            strides[i] = strides[i + 1] * t.shape[i + 1]
+    if any((st * t.element_size()) % 16 for st in strides[:-1]):
+        return None
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor(t, list(t.shape), strides, list(block_shape))
+
+
+def attention_forward(q, k, v_t, q_scale, k_scale, v_scale, bias, causal, p_mode, out, lse,
+                      config=None, use_tma=None):
+    """Launch the forward kernel into the preallocated ``out`` [B, H, Nq, D] (any strides)
+    and ``lse`` [B, H, Nq] float32.  ``config`` = (BLOCK_M, num_warps, num_stages)
+    overrides the default (benchmarks use it); ``FP4ATTN_AUTOTUNE=1`` autotunes.
+    ``use_tma=False`` forces the pointer path (tests use it to cover both)."""
+    b, h, nq, d = q.shape
+    hkv, nk = k.shape[1], k.shape[2]
+    if d not in (64, 128):
+        raise ValueError(f"head dim {d} not supported (64 or 128)")
+    if h % hkv:
+        raise ValueError(f"{h} query heads not a multiple of {hkv} kv heads")
+    if q.dtype != torch.int8 or k.dtype != torch.int8 or v_t.dtype != F.E4M3:
+        raise TypeError(f"expected int8 q/k and float8_e4m3fn v_t, got {q.dtype}, {k.dtype}, {v_t.dtype}")
+    if nq == 0:
+        return
+    if nk == 0:
+        raise ValueError("attention over zero keys")
+    q_scale, k_scale, v_scale = (s.float() for s in (q_scale, k_scale, v_scale))
+
+    bias_mode, bias_strides, bias_arg = 0, (0, 0, 0, 0), q_scale  # bias_arg never read when mode 0
+    if bias is not None:
+        bias_arg = bias.float().expand(b, h, nq, nk)
+        bias_strides = bias_arg.stride()
+        bias_mode = 1 if bias_strides[2] == 0 or nq == 1 else 2
+
+    k_desc = v_desc = None
+    if use_tma is not False:
+        k_desc = _descriptor(k, (1, 1, BLOCK_N, d))
+        v_desc = _descriptor(v_t, (1, 1, d, BLOCK_N))
+    tma = k_desc is not None and v_desc is not None
+    args = (
+        q, k_desc if tma else k, v_desc if tma else v_t, q_scale, k_scale, v_scale, bias_arg, out, lse,
+        *q.stride(), *k.stride(), *v_t.stride(),
+        *q_scale.stride(), *k_scale.stride(), *v_scale.stride(),
+        *bias_strides, *out.stride(), *lse.stride(),
+        h, h // hkv, nq, nk, _n_bucket(max(nq, nk)),
+    )
+    meta = dict(HEAD_DIM=d, BLOCK_N=BLOCK_N, P_MODE=_P_MODE_ID[p_mode], CAUSAL=bool(causal),
+                BIAS_MODE=bias_mode, USE_TMA=tma, LIFT=F.p_lift(p_mode))
+    if config is None and _autotune_enabled():
+        grid = lambda META: (triton.cdiv(nq, META["BLOCK_M"]), b * h)  # noqa: E731
+        _tuned[grid](*args, **meta)
+        return
+    block_m, warps, stages = config or DEFAULT_CONFIG
+    assert F.KEY_TILE % block_m == 0
+    _fwd_kernel[(triton.cdiv(nq, block_m), b * h)](*args, **meta, BLOCK_M=block_m, num_warps=warps,
+                                                    num_stages=stages)
