@@ -16,9 +16,11 @@ import torch
 from . import formats as F
 from . import ops  # noqa: F401  (registers torch.ops.fp4attn)
 
-# Finite stand-in for -inf in additive masks: a row whose every key is masked then
-# averages its keys, as eager does with finfo.min masks, instead of producing NaN.
-MASKED_LOG2 = -1e30
+# Finite stand-in (log2 units) for -inf and finfo.min in masks.  Masked keys still get
+# P = 0 next to any real score; a row whose every key is masked gets finite weights (as
+# eager does with finfo.min masks) instead of NaN.  2**20 keeps 8 x + 120 - 8 m exact in
+# float32, so those rows' codes are still well defined.
+MASKED_LOG2 = -(2.0**20)
 
 
 def _mask_to_log2_bias(attn_mask: torch.Tensor | None) -> torch.Tensor | None:

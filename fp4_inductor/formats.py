@@ -77,8 +77,9 @@ def _block_view(x: torch.Tensor, block: int) -> tuple[torch.Tensor, int]:
 
 
 def _amax_scale(amax: torch.Tensor, fmax: float) -> torch.Tensor:
-    # All-zero blocks get scale 1 so the division below stays finite; NaN/Inf propagate.
-    return torch.where(amax > 0, amax / fmax, torch.ones_like(amax))
+    # All-zero blocks get scale 1 so the division stays finite; a NaN or Inf amax stays
+    # in the scale, which carries it into the output even through INT8 codes.
+    return torch.where(amax == 0, torch.ones_like(amax), amax / fmax)
 
 
 def _cast(x: torch.Tensor, dtype: torch.dtype, fmax: float) -> torch.Tensor:
@@ -127,8 +128,7 @@ def quantize_k(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _round_int8(x: torch.Tensor) -> torch.Tensor:
-    # NaN has no INT8 code: it becomes 0 here, and the scale (amax of a NaN block is
-    # NaN) carries it into every score of the row or tile instead.
+    # NaN has no INT8 code; the scale (see _amax_scale) carries it instead.
     return torch.round(x).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
 
 

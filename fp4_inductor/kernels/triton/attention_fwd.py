@@ -91,39 +91,70 @@ def _probability(x, m_new, P_MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N:
 
 
 @triton.jit
-def _load_kv(K, VT, k_ptrs, v_ptrs, b, hk, start_n, NK, stride_kn, stride_vn,
-             USE_TMA: tl.constexpr, MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr):
-    """K^T [D, BLOCK_N] and V^T [D, BLOCK_N] of one key tile, both K-major as the 8-bit
-    wgmma wants.  TMA zero-fills keys past NK; the pointer path masks them."""
-    if USE_TMA:
+def _load_kv(K, VT, k_ptrs, v_ptrs, b, hk, start_n, offs_key, NK, stride_kn, stride_vn,
+             USE_TMA: tl.constexpr, PERM_P: tl.constexpr, MASKED: tl.constexpr,
+             HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr):
+    """K^T [D, BLOCK_N] (key order ``offs_key``) and V^T [D, BLOCK_N] (natural key order)
+    of one key tile, both K-major as the 8-bit wgmma wants.  TMA zero-fills keys past
+    NK; the pointer path masks them.  A permuted K is a row gather: pointers only."""
+    if USE_TMA and not PERM_P:
         k = tl.trans(K.load([b, hk, start_n, 0]).reshape(BLOCK_N, HEAD_DIM))
-        v = VT.load([b, hk, 0, start_n]).reshape(HEAD_DIM, BLOCK_N)
     elif MASKED:
-        key_ok = (start_n + tl.arange(0, BLOCK_N)) < NK
-        k = tl.load(k_ptrs + start_n * stride_kn, mask=key_ok[None, :], other=0)
-        v = tl.load(v_ptrs + start_n * stride_vn, mask=key_ok[None, :], other=0.0)
+        k = tl.load(k_ptrs + start_n * stride_kn, mask=((start_n + offs_key) < NK)[None, :], other=0)
     else:
         k = tl.load(k_ptrs + start_n * stride_kn)
+    if USE_TMA:
+        v = VT.load([b, hk, 0, start_n]).reshape(HEAD_DIM, BLOCK_N)
+    elif MASKED:
+        v = tl.load(v_ptrs + start_n * stride_vn, mask=((start_n + tl.arange(0, BLOCK_N)) < NK)[None, :], other=0.0)
+    else:
         v = tl.load(v_ptrs + start_n * stride_vn)
     return k, v
 
 
 @triton.jit
+def _key_permutation(BLOCK_N: tl.constexpr):
+    """Key held by S column c when K rows are gathered so that each thread's wgmma
+    accumulator fragment of P is already its fp8 A-operand fragment (no shuffles).
+
+    Accumulator: lane quad q holds columns 8j + 2q + {0, 1}; the k32 fp8 A operand wants
+    keys 4q + {0..3} and 16 + 4q + {0..3}.  With c = 32ch + 16jh + 8jl + 2q + b the key is
+    32ch + 16jh + 4q + 2jl + b (FA3 permutes V for the same purpose)."""
+    c = tl.arange(0, BLOCK_N)
+    ch = c // 32
+    jh = (c // 16) % 2
+    jl = (c // 8) % 2
+    qq = (c // 2) % 4
+    bb = c % 2
+    return ch * 32 + jh * 16 + qq * 4 + jl * 2 + bb
+
+
+@triton.jit
+def _unpermute_p(p, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """P with columns in key order, from P in gathered order: a pure relabelling of
+    registers (see _key_permutation)."""
+    p = tl.reshape(p, (BLOCK_M, BLOCK_N // 32, 2, 2, 4, 2))
+    p = tl.permute(p, (0, 1, 2, 4, 3, 5))
+    return tl.reshape(p, (BLOCK_M, BLOCK_N))
+
+
+@triton.jit
 def _attend(
     acc, l_i, m_i, q, row_t, K, VT, k_ptrs, v_ptrs, b_ptrs, ks_ptr, b, hk,
-    offs_m, offs_n, start, stop, NK, stride_kn, stride_vn, stride_bn,
+    offs_m, offs_key, start, stop, NK, stride_kn, stride_vn, stride_bn,
     P_MODE: tl.constexpr, CAUSAL: tl.constexpr, BIAS_MODE: tl.constexpr, MASKED: tl.constexpr,
-    USE_TMA: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    USE_TMA: tl.constexpr, PERM_P: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Key tiles [start, stop): MASKED=False for tiles wholly inside the sequence and
     below the diagonal, so the common loop carries no masking arithmetic."""
     for start_n in range(start, stop, BLOCK_N):
-        k, v = _load_kv(K, VT, k_ptrs, v_ptrs, b, hk, start_n, NK, stride_kn, stride_vn,
-                        USE_TMA, MASKED, HEAD_DIM, BLOCK_N)
+        k, v = _load_kv(K, VT, k_ptrs, v_ptrs, b, hk, start_n, offs_key, NK, stride_kn, stride_vn,
+                        USE_TMA, PERM_P, MASKED, HEAD_DIM, BLOCK_N)
         s = tl.dot(q, k, out_dtype=tl.int32)
         s = (s + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0  # exact int32 -> f32
         t = row_t * tl.load(ks_ptr + start_n // BLOCK_N)
-        key_ok = (start_n + offs_n) < NK
+        key_ok = (start_n + offs_key) < NK
         if BIAS_MODE == 0:
             x = s * t[:, None]
         else:
@@ -141,13 +172,15 @@ def _attend(
         if MASKED:
             ok = key_ok[None, :]
             if CAUSAL:
-                ok = ok & ((start_n + offs_n)[None, :] <= offs_m[:, None])
+                ok = ok & ((start_n + offs_key)[None, :] <= offs_m[:, None])
             x = tl.where(ok, x, float("-inf"))
         m_new = tl.maximum(m_i, tl.math.ceil(tl.reduce(x, 1, _max_propagate_nan)),
                            propagate_nan=tl.PropagateNan.ALL)
         # Rows still fully masked keep m = -inf and alpha = 1; NaN rows stay NaN.
         alpha = tl.where(m_new == m_i, 1.0, tl.math.exp2(m_i - m_new))
         p, l_tile = _probability(x, m_new, P_MODE, BLOCK_M, BLOCK_N)
+        if PERM_P:
+            p = _unpermute_p(p, BLOCK_M, BLOCK_N)
         l_i = l_i * alpha + l_tile
         acc = tl.dot(p, tl.trans(v), acc * alpha[:, None])
         m_i = m_new
@@ -169,7 +202,7 @@ def _fwd_kernel(
     H, GROUP, NQ, NK, N_BUCKET,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     P_MODE: tl.constexpr, CAUSAL: tl.constexpr, BIAS_MODE: tl.constexpr, USE_TMA: tl.constexpr,
-    LIFT: tl.constexpr,
+    PERM_P: tl.constexpr, LIFT: tl.constexpr,
 ):
     # Causal: the last query tiles carry the most key tiles; launch them first.
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0) if CAUSAL else tl.program_id(0)
@@ -180,6 +213,7 @@ def _fwd_kernel(
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
+    offs_key = _key_permutation(BLOCK_N) if PERM_P else offs_n
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_m < NQ
 
@@ -190,16 +224,17 @@ def _fwd_kernel(
 
     k_ptrs = K
     v_ptrs = VT
+    if PERM_P or not USE_TMA:
+        k_ptrs = K + b * stride_kb + hk * stride_kh + offs_d[:, None] * stride_kd + offs_key[None, :] * stride_kn
     if not USE_TMA:
-        k_ptrs = K + b * stride_kb + hk * stride_kh + offs_d[:, None] * stride_kd + offs_n[None, :] * stride_kn
         v_ptrs = VT + b * stride_vb + hk * stride_vh + offs_d[:, None] * stride_vd + offs_n[None, :] * stride_vn
     ks_ptr = KS + b * stride_ksb + hk * stride_ksh
     b_ptrs = BIAS + b * stride_bb + h * stride_bh
     if BIAS_MODE == 1:
-        b_ptrs = b_ptrs + offs_n * stride_bn
+        b_ptrs = b_ptrs + offs_key * stride_bn
     elif BIAS_MODE == 2:
         # Padded query rows read row 0 instead of running past the bias.
-        b_ptrs = b_ptrs + tl.where(row_ok, offs_m, 0)[:, None] * stride_bm + offs_n[None, :] * stride_bn
+        b_ptrs = b_ptrs + tl.where(row_ok, offs_m, 0)[:, None] * stride_bm + offs_key[None, :] * stride_bn
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -213,14 +248,14 @@ def _fwd_kernel(
         hi = tl.minimum(NK, (pid_m + 1) * BLOCK_M)
         full_end = tl.minimum(full_end, ((pid_m * BLOCK_M + 1) // BLOCK_N) * BLOCK_N)
     acc, l_i, m_i = _attend(acc, l_i, m_i, q, row_t, K, VT, k_ptrs, v_ptrs, b_ptrs, ks_ptr, b, hk,
-                            offs_m, offs_n, 0, full_end, NK, stride_kn, stride_vn, stride_bn,
-                            P_MODE, CAUSAL, BIAS_MODE, False, USE_TMA, HEAD_DIM, BLOCK_M, BLOCK_N)
+                            offs_m, offs_key, 0, full_end, NK, stride_kn, stride_vn, stride_bn,
+                            P_MODE, CAUSAL, BIAS_MODE, False, USE_TMA, PERM_P, HEAD_DIM, BLOCK_M, BLOCK_N)
     acc, l_i, m_i = _attend(acc, l_i, m_i, q, row_t, K, VT, k_ptrs, v_ptrs, b_ptrs, ks_ptr, b, hk,
-                            offs_m, offs_n, full_end, hi, NK, stride_kn, stride_vn, stride_bn,
-                            P_MODE, CAUSAL, BIAS_MODE, True, USE_TMA, HEAD_DIM, BLOCK_M, BLOCK_N)
+                            offs_m, offs_key, full_end, hi, NK, stride_kn, stride_vn, stride_bn,
+                            P_MODE, CAUSAL, BIAS_MODE, True, USE_TMA, PERM_P, HEAD_DIM, BLOCK_M, BLOCK_N)
 
     v_scale = tl.load(VS + b * stride_vsb + hk * stride_vsh)
-    r = tl.extra.cuda.libdevice.div_rn(tl.full([BLOCK_M], 1.0, tl.float32) * v_scale, l_i)
+    r = tl.math.div_rn(tl.full([BLOCK_M], 1.0, tl.float32) * v_scale, l_i)
     out = acc * r[:, None]
     o_ptrs = OUT + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od
     tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=row_ok[:, None])
@@ -246,7 +281,7 @@ def _n_bucket(n: int) -> int:
 
 _tuned = triton.autotune(
     configs=[triton.Config({"BLOCK_M": bm}, num_warps=w, num_stages=s) for bm, w, s in CONFIGS],
-    key=["N_BUCKET", "HEAD_DIM", "P_MODE", "CAUSAL", "BIAS_MODE", "USE_TMA"],
+    key=["N_BUCKET", "HEAD_DIM", "P_MODE", "CAUSAL", "BIAS_MODE", "USE_TMA", "PERM_P"],
 )(_fwd_kernel)
 
 
@@ -271,8 +306,13 @@ def _descriptor(t: torch.Tensor, block_shape):
     return TensorDescriptor(t, list(t.shape), strides, list(block_shape))
 
 
+# Gather K rows so that P needs no register shuffles before the P.V wgmma (see
+# _key_permutation); costs TMA for K (a permuted row gather is a pointer load).
+PERM_P = os.environ.get("FP4ATTN_PERM_P", "1") == "1"
+
+
 def attention_forward(q, k, v_t, q_scale, k_scale, v_scale, bias, causal, p_mode, out, lse,
-                      config=None, use_tma=None):
+                      config=None, use_tma=None, perm_p=None):
     """Launch the forward kernel into the preallocated ``out`` [B, H, Nq, D] (any strides)
     and ``lse`` [B, H, Nq] float32.  ``config`` = (BLOCK_M, num_warps, num_stages)
     overrides the default (benchmarks use it); ``FP4ATTN_AUTOTUNE=1`` autotunes.
@@ -297,9 +337,10 @@ def attention_forward(q, k, v_t, q_scale, k_scale, v_scale, bias, causal, p_mode
         bias_strides = bias_arg.stride()
         bias_mode = 1 if bias_strides[2] == 0 or nq == 1 else 2
 
+    perm = PERM_P if perm_p is None else perm_p
     k_desc = v_desc = None
     if use_tma is not False:
-        k_desc = _descriptor(k, (1, 1, BLOCK_N, d))
+        k_desc = k if perm else _descriptor(k, (1, 1, BLOCK_N, d))
         v_desc = _descriptor(v_t, (1, 1, d, BLOCK_N))
     tma = k_desc is not None and v_desc is not None
     args = (
@@ -310,7 +351,7 @@ def attention_forward(q, k, v_t, q_scale, k_scale, v_scale, bias, causal, p_mode
         h, h // hkv, nq, nk, _n_bucket(max(nq, nk)),
     )
     meta = dict(HEAD_DIM=d, BLOCK_N=BLOCK_N, P_MODE=_P_MODE_ID[p_mode], CAUSAL=bool(causal),
-                BIAS_MODE=bias_mode, USE_TMA=tma, LIFT=F.p_lift(p_mode))
+                BIAS_MODE=bias_mode, USE_TMA=tma, PERM_P=perm, LIFT=F.p_lift(p_mode))
     if config is None and _autotune_enabled():
         grid = lambda META: (triton.cdiv(nq, META["BLOCK_M"]), b * h)  # noqa: E731
         _tuned[grid](*args, **meta)

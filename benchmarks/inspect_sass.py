@@ -1,0 +1,126 @@
+"""Compile the forward kernel for sm_90 without a GPU and report what the compiler made.
+
+    python benchmarks/inspect_sass.py [--dump DIR]
+
+Per variant: registers, spills, shared memory and a count of the SASS instructions that
+decide speed (IGMMA = INT8 wgmma, QGMMA = FP8 wgmma, MUFU = exp2/log2, I2F/F2I/F2FP =
+conversions, FMNMX/FFMA/FMUL/FADD = softmax arithmetic).  Needs only Triton (its
+bundled ptxas and cuobjdump); the signature mirrors what the launcher passes on contiguous
+inputs (last-dim strides specialised to 1, pointers and row strides 16-byte aligned).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import itertools
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from fp4_inductor import formats as F  # noqa: E402
+from fp4_inductor.kernels.triton import attention_fwd as K  # noqa: E402
+
+OPS = ["IGMMA", "QGMMA", "HGMMA", "WARPGROUP", "MUFU", "I2F", "F2I", "F2FP", "FMNMX", "FFMA",
+       "FMUL", "FADD", "IADD3", "PRMT", "SHF", "LOP3", "FSEL", "SEL", "SHFL", "BAR", "LDS", "STS", "LDL", "STL"]
+
+
+def compile_variant(d, p_mode, causal, bias_mode, block_m, warps, stages, tma=True, perm=True, out_dtype="bf16"):
+    names = K._fwd_kernel.arg_names
+    ptr_types = {"Q": "*i8", "K": "*i8", "VT": "*fp8e4nv", "QS": "*fp32", "KS": "*fp32", "VS": "*fp32",
+                 "BIAS": "*fp32", "OUT": f"*{out_dtype}", "LSE": "*fp32"}
+    if tma and not perm:
+        ptr_types["K"] = f"tensordesc<i8[1, 1, {K.BLOCK_N}, {d}]>"
+    if tma:
+        ptr_types["VT"] = f"tensordesc<fp8e4nv[1, 1, {d}, {K.BLOCK_N}]>"
+    unit = {"stride_qd", "stride_kd", "stride_vn", "stride_qsm", "stride_ksn", "stride_od", "stride_lm", "stride_bn"}
+    if not bias_mode:
+        unit.discard("stride_bn")
+    constexprs = dict(HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=K.BLOCK_N, P_MODE=K._P_MODE_ID[p_mode],
+                      CAUSAL=causal, BIAS_MODE=bias_mode, USE_TMA=tma, PERM_P=perm, LIFT=F.p_lift(p_mode))
+    constexprs.update({n: 1 for n in unit})
+    signature = {}
+    attrs = {}
+    for i, n in enumerate(names):
+        if n in constexprs:
+            signature[n] = "constexpr"
+        elif n in ptr_types:
+            signature[n] = ptr_types[n]
+            if not ptr_types[n].startswith("tensordesc"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            signature[n] = "i32"
+            if n.startswith("stride_") and n not in ("stride_vsh", "stride_vsb", "stride_ksh", "stride_ksb",
+                                                      "stride_qsh", "stride_qsb", "stride_lh", "stride_lb"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(fn=K._fwd_kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
+
+
+def disassemble(cubin: bytes) -> tuple[str, int, int]:
+    """SASS text, registers per thread and spill bytes, through Triton's bundled cuobjdump."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        sass = subprocess.run([tool, "--dump-sass", f.name], capture_output=True, text=True, check=True).stdout
+        res = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True, check=True).stdout
+    regs = int(re.search(r"REG:(\d+)", res).group(1))
+    spill = re.search(r"STACK:(\d+)", res)
+    return sass, regs, int(spill.group(1)) if spill else 0
+
+
+def count_ops(sass: str) -> collections.Counter:
+    c = collections.Counter()
+    for line in sass.splitlines():
+        m = re.search(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)(\.[A-Z0-9_.]+)?", line)
+        if m:
+            c[m.group(1)] += 1
+    return c
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dump", help="write .ptx/.sass per variant into this folder")
+    ap.add_argument("--d", type=int, nargs="*", default=[128, 64])
+    ap.add_argument("--modes", nargs="*", default=list(F.P_MODES))
+    ap.add_argument("--configs", nargs="*", default=None, help="BM,warps,stages ...")
+    ap.add_argument("--bias", type=int, nargs="*", default=[0, 1, 2], help="bias modes")
+    ap.add_argument("--causal", type=int, nargs="*", default=[0, 1])
+    ap.add_argument("--no-tma", action="store_true")
+    ap.add_argument("--no-perm", action="store_true")
+    args = ap.parse_args()
+    configs = [tuple(int(x) for x in c.split(",")) for c in args.configs] if args.configs else K.CONFIGS[:1]
+    print(f"{'variant':44s} regs stack   smem  " + " ".join(f"{o:>5s}" for o in OPS))
+    for d, mode, causal, bias, cfg in itertools.product(args.d, args.modes, args.causal, args.bias, configs):
+        name = f"d{d}_{mode}_{'causal' if causal else 'full'}_bias{bias}_bm{cfg[0]}w{cfg[1]}s{cfg[2]}"
+        if args.no_tma:
+            name += "_ptr"
+        if args.no_perm:
+            name += "_noperm"
+        try:
+            ck = compile_variant(d, mode, bool(causal), bias, *cfg, tma=not args.no_tma, perm=not args.no_perm)
+        except Exception as err:  # report and continue: one failing variant should not hide the rest
+            print(f"{name:44s} FAILED: {type(err).__name__}: {str(err)[:300]}")
+            continue
+        sass, regs, spills = disassemble(ck.asm["cubin"])
+        ops = count_ops(sass)
+        print(f"{name:44s} {regs:4d} {spills:5d} {ck.metadata.shared:6d}  " + " ".join(f"{ops[o]:5d}" for o in OPS))
+        ck.asm["sass"] = sass
+        if args.dump:
+            os.makedirs(args.dump, exist_ok=True)
+            for ext in ("ptx", "sass", "ttgir"):
+                with open(os.path.join(args.dump, f"{name}.{ext}"), "w") as f:
+                    f.write(str(ck.asm.get(ext, "")))
+
+
+if __name__ == "__main__":
+    main()
