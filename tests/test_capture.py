@@ -1,0 +1,175 @@
+"""Every way of writing attention is captured (inference and training), the traps stay
+exactly as written, and unsupported sites fall back with a reason."""
+
+import pytest
+import torch
+
+import fp4_inductor
+from attention_variants import B, CAPTURED, TRAPS, C, N, DropoutEval, SdpaDropoutEval, extra_inputs
+from helpers import cosine, op_calls
+
+
+def _input(module):
+    dtype = next(module.parameters()).dtype
+    return torch.randn(B, N, C, dtype=dtype)
+
+
+@pytest.mark.parametrize("variant", CAPTURED, ids=lambda c: c.__name__)
+def test_inference_captured(variant):
+    module = variant().eval()
+    x, extra = _input(module), extra_inputs(module)
+    with torch.no_grad():
+        ref = module(x, *extra)
+        with fp4_inductor.configure(policy="always"):
+            compiled = torch.compile(module, backend="fp4attn")
+            out, calls = op_calls(compiled, x, *extra)
+    assert calls["fwd"] >= 1
+    assert cosine(out, ref) > 0.99
+
+
+@pytest.mark.parametrize("variant", [v for v in CAPTURED if v is not SdpaDropoutEval], ids=lambda c: c.__name__)
+def test_training_captured(variant):
+    module = variant().train()
+    x = _input(module).requires_grad_()
+    extra = extra_inputs(module)
+    grad_out = torch.randn(B, N, C, dtype=x.dtype)
+
+    def step(fn):
+        x.grad = None
+        module.zero_grad()
+        out = fn(x, *extra)
+        out.backward(grad_out)
+        return out.detach(), x.grad.clone(), module.q.weight.grad.clone(), module.kv.weight.grad.clone()
+
+    ref = step(module)
+    with fp4_inductor.configure(policy="always"):
+        compiled = torch.compile(module, backend="fp4attn")
+        got, calls = op_calls(step, compiled)
+    assert calls["fwd"] >= 1 and calls["bwd"] >= 1
+    assert cosine(got[0], ref[0]) > 0.99
+    for a, b in zip(got[1:], ref[1:]):
+        assert cosine(a, b) > 0.98
+
+
+@pytest.mark.parametrize("variant", list(TRAPS), ids=lambda c: c.__name__)
+def test_traps_stay_exact(variant):
+    module = variant().eval()
+    x = torch.randn(B, N, C)
+    report = fp4_inductor.explain(module, x, policy="always")
+    assert report.sites and all(s.path == "bf16" for s in report.sites)
+    assert any(TRAPS[variant] in s.reason for s in report.sites)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    default = torch.compile(module)(x)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    with fp4_inductor.configure(policy="always"):
+        ours, calls = op_calls(torch.compile(module, backend="fp4attn"), x)
+    assert calls["fwd"] == 0
+    assert torch.equal(ours, default)
+
+
+def test_sdpa_dropout_in_training_falls_back():
+    module = SdpaDropoutEval().train()
+    report = fp4_inductor.explain(module, torch.randn(B, N, C), policy="always")
+    assert [s.path for s in report.sites] == ["bf16"]
+    assert "dropout" in report.sites[0].reason
+
+
+def test_dropout_modules_with_zero_p_are_transparent_in_training():
+    module = DropoutEval().train()
+    report = fp4_inductor.explain(module, torch.randn(B, N, C, requires_grad=True), policy="always")
+    assert [s.path for s in report.sites] == ["fp8"]
+
+
+@pytest.mark.parametrize("policy", ["never", "auto"])
+def test_policy_never_and_cpu_auto_rewrite_nothing(policy):
+    module = CAPTURED[0]().eval()
+    x = torch.randn(B, N, C)
+    report = fp4_inductor.explain(module, x, policy=policy)
+    reason = "policy=never" if policy == "never" else "no low-precision kernel for this device"
+    assert [(s.path, s.reason) for s in report.sites] == [("bf16", reason)]
+    torch._dynamo.reset()
+    default = torch.compile(module)(x)
+    torch._dynamo.reset()
+    with fp4_inductor.configure(policy=policy):
+        ours, calls = op_calls(torch.compile(module, backend="fp4attn"), x)
+    assert calls["fwd"] == 0 and torch.equal(ours, default)
+
+
+def _sdpa(q, k, v, **kw):
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, **kw)
+
+
+@pytest.mark.parametrize(
+    "shape, dtype, kwargs, reason",
+    [
+        ((2, 4, 64, 80), torch.float32, {}, "head dim 80"),
+        ((2, 4, 64, 64), torch.float64, {}, "dtypes"),
+        ((2, 4, 64, 64), torch.float32, {"dropout_p": 0.2}, "dropout"),
+    ],
+)
+def test_unsupported_sites_fall_back_with_reason(shape, dtype, kwargs, reason):
+    q, k, v = (torch.randn(shape, dtype=dtype) for _ in range(3))
+    report = fp4_inductor.explain(lambda q, k, v: _sdpa(q, k, v, **kwargs), q, k, v, policy="always")
+    assert [s.path for s in report.sites] == ["bf16"]
+    assert reason in report.sites[0].reason
+    if not kwargs:
+        torch._dynamo.reset()
+        with fp4_inductor.configure(policy="always"):
+            out = torch.compile(_sdpa, backend="fp4attn")(q, k, v)
+        torch.testing.assert_close(out, _sdpa(q, k, v))
+
+
+def test_mask_that_requires_grad_falls_back():
+    q, k, v = (torch.randn(2, 4, 64, 64) for _ in range(3))
+    bias = torch.randn(1, 4, 64, 64, requires_grad=True)
+    report = fp4_inductor.explain(lambda q, k, v, b: _sdpa(q, k, v, attn_mask=b), q, k, v, bias, policy="always")
+    assert report.sites[0].path == "bf16" and "requires grad" in report.sites[0].reason
+
+
+def test_dynamic_sequence_lengths_keep_calling_the_op():
+    module = CAPTURED[1]().eval()  # causal SDPA
+    with fp4_inductor.configure(policy="always"):
+        compiled = torch.compile(module, backend="fp4attn")
+        for n in (64, 96, 144):
+            x = torch.randn(B, n, C)
+            with torch.no_grad():
+                out, calls = op_calls(compiled, x)
+                ref = module(x)
+            assert calls["fwd"] >= 1, n
+            assert cosine(out, ref) > 0.99
+
+
+def test_symbolic_softmax_scale_is_handled():
+    """scale computed from a dynamic size is a SymFloat under dynamic=True."""
+
+    def fn(q, k, v):
+        return _sdpa(q, k, v, scale=1.0 / q.shape[-2] ** 0.5)
+
+    q, k, v = (torch.randn(2, 4, 96, 64) for _ in range(3))
+    with fp4_inductor.configure(policy="always"):
+        out, calls = op_calls(torch.compile(fn, backend="fp4attn", dynamic=True), q, k, v)
+    assert calls["fwd"] >= 1
+    assert cosine(out, fn(q, k, v)) > 0.99
+
+
+def test_backend_options_fp4_format():
+    module = CAPTURED[0]().eval()
+    x = torch.randn(B, N, C)
+    with torch.no_grad():
+        out, calls = op_calls(torch.compile(module, backend=fp4_inductor.backend(policy="always", fmt="fp4")), x)
+        ref = module(x)
+    assert calls["fwd"] >= 1
+    # fp4's documented forward error is ~0.44 rel-L2 on Gaussian attention (test_formats).
+    assert cosine(out, ref) > 0.8
+
+
+def test_explain_report_fields_and_table():
+    module = CAPTURED[1]().eval()
+    report = fp4_inductor.explain(module, torch.randn(B, N, C), policy="always")
+    (site,) = report.sites
+    assert (site.kind, site.shape, site.causal, site.path) == ("sdpa", (B, 4, 4, N, N, 64), True, "fp8")
+    assert site.predicted_speedup is None and site.reason.startswith("policy=always")
+    text = str(report)
+    assert "sdpa" in text and "2,4,4,80,80,64" in text and "fp8" in text

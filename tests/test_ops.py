@@ -1,0 +1,86 @@
+"""The fp4attn custom ops: schema, fake kernels (strides as the real ones), autograd."""
+
+import math
+
+import pytest
+import torch
+
+from fp4_inductor import formats as F
+from fp4_inductor import ops
+from fp4_inductor.attention import _mask_to_log2_bias
+
+
+# test_schema compares inputs before and after with ops that CPU float8 lacks; mutation
+# is checked by hand instead (_assert_not_mutated).
+OPCHECK_UTILS = ("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic")
+
+
+def _opcheck(op, args):
+    before = [a.view(torch.uint8).clone() if a.dtype.itemsize == 1 else a.clone() for a in args if isinstance(a, torch.Tensor)]
+    torch.library.opcheck(op, args, test_utils=OPCHECK_UTILS)
+    op(*args)
+    after = [a.view(torch.uint8) if a.dtype.itemsize == 1 else a for a in args if isinstance(a, torch.Tensor)]
+    assert all(torch.equal(x, y) for x, y in zip(before, after))
+
+
+def _fwd_args(b=2, h=4, hkv=2, nq=70, nk=150, d=64, causal=False, bias=False, p_mode="direct"):
+    q, k, v = torch.randn(b, h, nq, d), torch.randn(b, hkv, nk, d), torch.randn(b, hkv, nk, d)
+    q8, qs = F.quantize_q(q, 1 / math.sqrt(d))
+    k8, ks = F.quantize_k(k)
+    v8t, vs = F.quantize_v(v, "fp4" if p_mode == "fp4" else "fp8")
+    mask = _mask_to_log2_bias(torch.rand(b, 1, 1, nk) > 0.2) if bias else None
+    return (q8, k8, v8t, qs, ks, vs, mask, causal, p_mode, torch.bfloat16)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("p_mode", ["direct", "exp", "fp4"])
+def test_fwd_opcheck(causal, bias, p_mode):
+    _opcheck(torch.ops.fp4attn.fwd.default, _fwd_args(causal=causal, bias=bias, p_mode=p_mode))
+
+
+def test_fwd_fake_strides_match_real():
+    args = _fwd_args()
+    out, lse = torch.ops.fp4attn.fwd(*args)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        fake_args = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
+        fout, flse = torch.ops.fp4attn.fwd(*fake_args)
+    assert fout.shape == out.shape and fout.stride() == out.stride() and fout.dtype == out.dtype
+    assert flse.shape == lse.shape and flse.stride() == lse.stride()
+    # [B, H, N, D] stored as [B, N, H, D]: the usual transpose(1, 2).reshape is free.
+    assert out.transpose(1, 2).is_contiguous()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_bwd_opcheck(causal):
+    q8, k8, v8t, qs, ks, vs, bias, causal, p_mode, dtype = _fwd_args(causal=causal, bias=True)
+    out, lse = torch.ops.fp4attn.fwd(q8, k8, v8t, qs, ks, vs, bias, causal, p_mode, dtype)
+    do8, do_scale = F.quantize_do(torch.randn(out.shape), lse, p_mode)
+    delta = (do8.float() * do_scale[..., None, None] * out.float()).sum(-1)
+    qe, qes, ke, kes = F.backward_operands(q8, qs, k8, ks)
+    args = (do8, do_scale, delta, q8, k8, v8t, qs, ks, vs, qe, qes, ke, kes, bias, lse, causal, p_mode, dtype)
+    _opcheck(torch.ops.fp4attn.bwd.default, args)
+    dq, dk, dv = torch.ops.fp4attn.bwd(*args)
+    assert dq.shape == (2, 4, 70, 64) and dk.shape == dv.shape == (2, 2, 150, 64)
+
+
+def test_kernel_failure_falls_back_and_warns_once(monkeypatch):
+    def broken(*args):
+        raise RuntimeError("simulated launch failure")
+
+    monkeypatch.setattr(ops, "forward_kernel", lambda q, p_mode: broken)
+    monkeypatch.setattr(ops, "_warned", set())
+    args = _fwd_args()
+    with pytest.warns(RuntimeWarning, match="simulated launch failure"):
+        out, lse = torch.ops.fp4attn.fwd(*args)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        again, _ = torch.ops.fp4attn.fwd(*args)  # second failure: silent
+    from fp4_inductor import reference
+
+    ref, ref_lse = reference.attention_forward(*args)
+    assert torch.equal(out, ref) and torch.equal(again, ref) and torch.equal(lse, ref_lse)
