@@ -23,7 +23,7 @@ def test_inference_captured(variant):
         with fp4_inductor.configure(policy="always"):
             compiled = torch.compile(module, backend="fp4attn")
             out, calls = op_calls(compiled, x, *extra)
-    assert calls["fwd"] >= 1
+    assert calls == {"fwd": 1, "bwd": 0}
     assert cosine(out, ref) > 0.99
 
 
@@ -45,7 +45,7 @@ def test_training_captured(variant):
     with fp4_inductor.configure(policy="always"):
         compiled = torch.compile(module, backend="fp4attn")
         got, calls = op_calls(step, compiled)
-    assert calls["fwd"] >= 1 and calls["bwd"] >= 1
+    assert calls == {"fwd": 1, "bwd": 1}
     assert cosine(got[0], ref[0]) > 0.99
     for a, b in zip(got[1:], ref[1:]):
         assert cosine(a, b) > 0.98
@@ -60,7 +60,7 @@ def test_traps_stay_exact(variant):
     assert any(TRAPS[variant] in s.reason for s in report.sites)
     torch._dynamo.reset()
     torch.manual_seed(0)
-    default = torch.compile(module)(x)
+    default, _ = op_calls(torch.compile(module), x)  # same calls, same random stream
     torch._dynamo.reset()
     torch.manual_seed(0)
     with fp4_inductor.configure(policy="always"):
