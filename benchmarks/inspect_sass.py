@@ -33,7 +33,8 @@ OPS = ["IGMMA", "QGMMA", "HGMMA", "WARPGROUP", "MUFU", "I2F", "F2I", "F2FP", "FM
        "FMUL", "FADD", "IADD3", "PRMT", "SHF", "LOP3", "FSEL", "SEL", "SHFL", "BAR", "LDS", "STS", "LDL", "STL"]
 
 
-def compile_variant(d, p_mode, causal, bias_mode, block_m, warps, stages, tma=True, perm=True, out_dtype="bf16"):
+def compile_variant(d, p_mode, causal, bias_mode, block_m, warps, stages, maxnreg=None, tma=True, perm=True,
+                    options=None, out_dtype="bf16"):
     names = K._fwd_kernel.arg_names
     ptr_types = {"Q": "*i8", "K": "*i8", "VT": "*fp8e4nv", "QS": "*fp32", "KS": "*fp32", "VS": "*fp32",
                  "BIAS": "*fp32", "OUT": f"*{out_dtype}", "LSE": "*fp32"}
@@ -45,7 +46,9 @@ def compile_variant(d, p_mode, causal, bias_mode, block_m, warps, stages, tma=Tr
     if not bias_mode:
         unit.discard("stride_bn")
     constexprs = dict(HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=K.BLOCK_N, P_MODE=K._P_MODE_ID[p_mode],
-                      CAUSAL=causal, BIAS_MODE=bias_mode, USE_TMA=tma, PERM_P=perm, LIFT=F.p_lift(p_mode))
+                      CAUSAL=causal, BIAS_MODE=bias_mode, USE_TMA=tma, PERM_P=perm, LIFT=F.p_lift(p_mode),
+                      **K.OPTIONS)
+    constexprs.update(options or {})
     constexprs.update({n: 1 for n in unit})
     signature = {}
     attrs = {}
@@ -62,7 +65,10 @@ def compile_variant(d, p_mode, causal, bias_mode, block_m, warps, stages, tma=Tr
                                                       "stride_qsh", "stride_qsb", "stride_lh", "stride_lb"):
                 attrs[(i,)] = [["tt.divisibility", 16]]
     src = ASTSource(fn=K._fwd_kernel, signature=signature, constexprs=constexprs, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
+    opts = dict(num_warps=warps, num_stages=stages)
+    if maxnreg:
+        opts["maxnreg"] = maxnreg
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
 
 
 def disassemble(cubin: bytes) -> tuple[str, int, int]:
@@ -97,17 +103,24 @@ def main():
     ap.add_argument("--causal", type=int, nargs="*", default=[0, 1])
     ap.add_argument("--no-tma", action="store_true")
     ap.add_argument("--no-perm", action="store_true")
+    ap.add_argument("--opt", nargs="*", default=[], help="NAME=0/1 kernel switches")
     args = ap.parse_args()
     configs = [tuple(int(x) for x in c.split(",")) for c in args.configs] if args.configs else K.CONFIGS[:1]
     print(f"{'variant':44s} regs stack   smem  " + " ".join(f"{o:>5s}" for o in OPS))
     for d, mode, causal, bias, cfg in itertools.product(args.d, args.modes, args.causal, args.bias, configs):
         name = f"d{d}_{mode}_{'causal' if causal else 'full'}_bias{bias}_bm{cfg[0]}w{cfg[1]}s{cfg[2]}"
+        if len(cfg) > 3:
+            name += f"r{cfg[3]}"
         if args.no_tma:
             name += "_ptr"
         if args.no_perm:
             name += "_noperm"
+        for kv in args.opt:
+            name += "_" + kv.replace("COND_RESCALE", "cr").replace("ROWSUM_MMA", "rs").replace("OVERLAP", "ov")
         try:
-            ck = compile_variant(d, mode, bool(causal), bias, *cfg, tma=not args.no_tma, perm=not args.no_perm)
+            opts = {kv.split("=")[0]: bool(int(kv.split("=")[1])) for kv in args.opt}
+            ck = compile_variant(d, mode, bool(causal), bias, *cfg, tma=not args.no_tma, perm=not args.no_perm,
+                                 options=opts)
         except Exception as err:  # report and continue: one failing variant should not hide the rest
             print(f"{name:44s} FAILED: {type(err).__name__}: {str(err)[:300]}")
             continue

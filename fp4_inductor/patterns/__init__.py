@@ -65,7 +65,9 @@ def _scale_arg(graph: fx.Graph, scale):
 def replace_site(graph: fx.Graph, site: Site, fmt: str, p_mode: str | None) -> fx.Node:
     anchor = site.anchor
     with graph.inserting_before(anchor):
-        if site.bias_terms or site.keep_masks or site.drop_masks:
+        if len(site.bias_terms) == 1 and not site.bias_terms[0][1] and not (site.keep_masks or site.drop_masks):
+            mask = site.bias_terms[0][0]  # one unscaled additive mask: pass it as SDPA would
+        elif site.bias_terms or site.keep_masks or site.drop_masks:
             mask = graph.call_function(
                 combine_masks,
                 (site.attn_mask, tuple((m, _scale_arg(graph, f)) for m, f in site.bias_terms),

@@ -58,18 +58,37 @@ def _e2m1_round(u):
 
 
 @triton.jit
-def _probability(x, m_new, P_MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """E4M3 P operand of one key tile and its row sum (of the same E4M3 values)."""
+def _fma_sat(x, a, b):
+    """fma(x, a, b) clamped to [0, 1] in the same instruction (FFMA.SAT)."""
+    return tl.inline_asm_elementwise("fma.rn.sat.f32 $0, $1, $2, $3;", "=f,f,f,f", [x, a, b],
+                                     dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _probability(x, m_new, P_MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 ROWSUM_MMA: tl.constexpr):
+    """E4M3 P operand of one key tile and its row sum (of the same E4M3 values; with
+    ROWSUM_MMA the caller sums P on the tensor cores and l_tile is unused)."""
     if P_MODE == 0:
-        # Direct-P.  x <= m_new, so y <= 120 and only the lower clamp can act.
-        y = x * 8.0 + (120.0 - 8.0 * m_new)[:, None]
-        bits = (tl.maximum(y, 0.0) + 8388608.0).to(tl.int32, bitcast=True)
+        # Direct-P: code = rne(clamp(8 x + 120 - 8 m, 0, 126)).  Computed as
+        # z = sat(x / 32 + (120 - 8 m) / 256) = fl(8 x + 120 - 8 m) / 256 (power-of-two
+        # scaling commutes with rounding), the clamp being the FFMA's saturation (x <= m
+        # keeps z <= 120 / 256, so only 0 can bind).  z + 2**15 rounds z * 256 to the
+        # nearest integer, ties to even, into the low mantissa byte: the code.
+        z = _fma_sat(x, 0.03125, ((120.0 - 8.0 * m_new) * 0.00390625)[:, None])
+        bits = (z + 32768.0).to(tl.int32, bitcast=True)
         p = bits.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
-        tiny = (bits << 20).to(tl.float32, bitcast=True)
-        l_tile = tl.sum(tiny, 1) * 1.329227995784916e36  # 2**120
+        if ROWSUM_MMA:
+            l_tile = m_new
+        else:
+            tiny = (bits << 20).to(tl.float32, bitcast=True)
+            l_tile = tl.sum(tiny, 1) * 1.329227995784916e36  # 2**120
     elif P_MODE == 1:
         p = tl.math.exp2(x - m_new[:, None] + 8.0).to(tl.float8e4nv)
-        l_tile = tl.sum(p.to(tl.float32), 1)
+        if ROWSUM_MMA:
+            l_tile = m_new
+        else:
+            l_tile = tl.sum(p.to(tl.float32), 1)
     else:
         FP4_BLOCK: tl.constexpr = 32
         rel = tl.reshape(x - m_new[:, None], (BLOCK_M, BLOCK_N // FP4_BLOCK, FP4_BLOCK))
@@ -86,30 +105,40 @@ def _probability(x, m_new, P_MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N:
         ebits = tl.maximum(e.to(tl.int32) + (127 + 6), 0) << 23
         scale = ebits.to(tl.float32, bitcast=True)
         p = tl.reshape(q * scale[:, :, None], (BLOCK_M, BLOCK_N)).to(tl.float8e4nv)
-        l_tile = tl.sum(p.to(tl.float32), 1)
+        if ROWSUM_MMA:
+            l_tile = m_new
+        else:
+            l_tile = tl.sum(p.to(tl.float32), 1)
     return p, l_tile
 
 
 @triton.jit
-def _load_kv(K, VT, k_ptrs, v_ptrs, b, hk, start_n, offs_key, NK, stride_kn, stride_vn,
-             USE_TMA: tl.constexpr, PERM_P: tl.constexpr, MASKED: tl.constexpr,
-             HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr):
-    """K^T [D, BLOCK_N] (key order ``offs_key``) and V^T [D, BLOCK_N] (natural key order)
-    of one key tile, both K-major as the 8-bit wgmma wants.  TMA zero-fills keys past
-    NK; the pointer path masks them.  A permuted K is a row gather: pointers only."""
+def _load_k(K, k_ptrs, b, hk, start_n, offs_key, NK, stride_kn,
+            USE_TMA: tl.constexpr, PERM_P: tl.constexpr, MASKED: tl.constexpr,
+            HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr):
+    """K^T [D, BLOCK_N] of one key tile in key order ``offs_key`` (K-major, as the 8-bit
+    wgmma wants).  TMA zero-fills keys past NK; the pointer path masks them.  A permuted
+    K is a row gather: pointers only."""
     if USE_TMA and not PERM_P:
         k = tl.trans(K.load([b, hk, start_n, 0]).reshape(BLOCK_N, HEAD_DIM))
     elif MASKED:
         k = tl.load(k_ptrs + start_n * stride_kn, mask=((start_n + offs_key) < NK)[None, :], other=0)
     else:
         k = tl.load(k_ptrs + start_n * stride_kn)
+    return k
+
+
+@triton.jit
+def _load_v(VT, v_ptrs, b, hk, start_n, NK, stride_vn,
+            USE_TMA: tl.constexpr, MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr):
+    """V^T [D, BLOCK_N] of one key tile in natural key order (K-major for P.V)."""
     if USE_TMA:
         v = VT.load([b, hk, 0, start_n]).reshape(HEAD_DIM, BLOCK_N)
     elif MASKED:
         v = tl.load(v_ptrs + start_n * stride_vn, mask=((start_n + tl.arange(0, BLOCK_N)) < NK)[None, :], other=0.0)
     else:
         v = tl.load(v_ptrs + start_n * stride_vn)
-    return k, v
+    return v
 
 
 @triton.jit
@@ -139,55 +168,87 @@ def _unpermute_p(p, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _update(
+    acc, l_i, m_i, s, v, start_n, row_t, ks_ptr, b_ptrs, offs_m, offs_key, NK, stride_bn,
+    P_MODE: tl.constexpr, CAUSAL: tl.constexpr, BIAS_MODE: tl.constexpr, MASKED: tl.constexpr,
+    PERM_P: tl.constexpr, COND_RESCALE: tl.constexpr, ROWSUM_MMA: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Online-softmax update with one key tile: int32 scores ``s`` [BLOCK_M, BLOCK_N] in
+    key order ``offs_key``, V^T tile ``v``."""
+    s = (s + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0  # exact int32 -> f32
+    t = row_t * tl.load(ks_ptr + start_n // BLOCK_N)
+    key_ok = (start_n + offs_key) < NK
+    if BIAS_MODE == 0:
+        x = s * t[:, None]
+    else:
+        if BIAS_MODE == 1:  # the same bias row for every query (key padding)
+            if MASKED:
+                bias = tl.load(b_ptrs + start_n * stride_bn, mask=key_ok, other=0.0)[None, :]
+            else:
+                bias = tl.load(b_ptrs + start_n * stride_bn)[None, :]
+        else:
+            if MASKED:
+                bias = tl.load(b_ptrs + start_n * stride_bn, mask=key_ok[None, :], other=0.0)
+            else:
+                bias = tl.load(b_ptrs + start_n * stride_bn)
+        x = tl.fma(s, t[:, None], bias)  # one rounding, as the reference's FMA
+    if MASKED:
+        ok = key_ok[None, :]
+        if CAUSAL:
+            ok = ok & ((start_n + offs_key)[None, :] <= offs_m[:, None])
+        x = tl.where(ok, x, float("-inf"))
+    m_new = tl.maximum(m_i, tl.math.ceil(tl.reduce(x, 1, _max_propagate_nan)),
+                       propagate_nan=tl.PropagateNan.ALL)
+    # Rows still fully masked keep m = -inf and alpha = 1; NaN rows stay NaN.
+    alpha = tl.where(m_new == m_i, 1.0, tl.math.exp2(m_i - m_new))
+    p, l_tile = _probability(x, m_new, P_MODE, BLOCK_M, BLOCK_N, ROWSUM_MMA)
+    if PERM_P:
+        p = _unpermute_p(p, BLOCK_M, BLOCK_N)
+    if ROWSUM_MMA:
+        # P.1 on the tensor cores: every column of the product is the row sum.
+        ones = tl.full((BLOCK_N, 16), 1.0, tl.float32).to(tl.float8e4nv)
+        l_tile = tl.sum(tl.dot(p, ones), 1) * 0.0625
+    l_i = l_i * alpha + l_tile
+    if COND_RESCALE:
+        # With an integer running max most tiles leave every row's m unchanged:
+        # skip the rescale then (alpha == 1 everywhere makes it an identity).
+        if tl.max(tl.where(alpha != 1.0, 1, 0), 0) > 0:
+            acc = acc * alpha[:, None]
+    else:
+        acc = acc * alpha[:, None]
+    acc = tl.dot(p, tl.trans(v), acc)
+    return acc, l_i, m_new
+
+
+@triton.jit
 def _attend(
     acc, l_i, m_i, q, row_t, K, VT, k_ptrs, v_ptrs, b_ptrs, ks_ptr, b, hk,
     offs_m, offs_key, start, stop, NK, stride_kn, stride_vn, stride_bn,
     P_MODE: tl.constexpr, CAUSAL: tl.constexpr, BIAS_MODE: tl.constexpr, MASKED: tl.constexpr,
-    USE_TMA: tl.constexpr, PERM_P: tl.constexpr,
+    USE_TMA: tl.constexpr, PERM_P: tl.constexpr, COND_RESCALE: tl.constexpr, ROWSUM_MMA: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Key tiles [start, stop): MASKED=False for tiles wholly inside the sequence and
     below the diagonal, so the common loop carries no masking arithmetic."""
     for start_n in range(start, stop, BLOCK_N):
-        k, v = _load_kv(K, VT, k_ptrs, v_ptrs, b, hk, start_n, offs_key, NK, stride_kn, stride_vn,
-                        USE_TMA, PERM_P, MASKED, HEAD_DIM, BLOCK_N)
+        k = _load_k(K, k_ptrs, b, hk, start_n, offs_key, NK, stride_kn, USE_TMA, PERM_P, MASKED, HEAD_DIM, BLOCK_N)
+        v = _load_v(VT, v_ptrs, b, hk, start_n, NK, stride_vn, USE_TMA, MASKED, HEAD_DIM, BLOCK_N)
         s = tl.dot(q, k, out_dtype=tl.int32)
-        s = (s + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0  # exact int32 -> f32
-        t = row_t * tl.load(ks_ptr + start_n // BLOCK_N)
-        key_ok = (start_n + offs_key) < NK
-        if BIAS_MODE == 0:
-            x = s * t[:, None]
-        else:
-            if BIAS_MODE == 1:  # the same bias row for every query (key padding)
-                if MASKED:
-                    bias = tl.load(b_ptrs + start_n * stride_bn, mask=key_ok, other=0.0)[None, :]
-                else:
-                    bias = tl.load(b_ptrs + start_n * stride_bn)[None, :]
-            else:
-                if MASKED:
-                    bias = tl.load(b_ptrs + start_n * stride_bn, mask=key_ok[None, :], other=0.0)
-                else:
-                    bias = tl.load(b_ptrs + start_n * stride_bn)
-            x = tl.fma(s, t[:, None], bias)  # one rounding, as the reference's FMA
-        if MASKED:
-            ok = key_ok[None, :]
-            if CAUSAL:
-                ok = ok & ((start_n + offs_key)[None, :] <= offs_m[:, None])
-            x = tl.where(ok, x, float("-inf"))
-        m_new = tl.maximum(m_i, tl.math.ceil(tl.reduce(x, 1, _max_propagate_nan)),
-                           propagate_nan=tl.PropagateNan.ALL)
-        # Rows still fully masked keep m = -inf and alpha = 1; NaN rows stay NaN.
-        alpha = tl.where(m_new == m_i, 1.0, tl.math.exp2(m_i - m_new))
-        p, l_tile = _probability(x, m_new, P_MODE, BLOCK_M, BLOCK_N)
-        if PERM_P:
-            p = _unpermute_p(p, BLOCK_M, BLOCK_N)
-        l_i = l_i * alpha + l_tile
-        acc = tl.dot(p, tl.trans(v), acc * alpha[:, None])
-        m_i = m_new
+        acc, l_i, m_i = _update(acc, l_i, m_i, s, v, start_n, row_t, ks_ptr, b_ptrs, offs_m, offs_key,
+                                NK, stride_bn, P_MODE, CAUSAL, BIAS_MODE, MASKED, PERM_P, COND_RESCALE,
+                                ROWSUM_MMA, BLOCK_M, BLOCK_N)
     return acc, l_i, m_i
 
 
-@triton.jit
+# Scalars that only index scales, LSE and bias rows, or count rows and keys: specialising
+# on their divisibility would only multiply compiled variants.
+_NO_SPECIALIZE = ["stride_vb", "stride_vh", "stride_vd", "stride_qsb", "stride_qsh", "stride_ksb", "stride_ksh",
+                  "stride_vsb", "stride_vsh", "stride_bb", "stride_bh", "stride_bm", "stride_lb", "stride_lh",
+                  "H", "GROUP", "NQ", "NK", "N_BUCKET"]
+
+
+@triton.jit(do_not_specialize=_NO_SPECIALIZE)
 def _fwd_kernel(
     Q, K, VT, QS, KS, VS, BIAS, OUT, LSE,
     stride_qb, stride_qh, stride_qm, stride_qd,
@@ -202,7 +263,7 @@ def _fwd_kernel(
     H, GROUP, NQ, NK, N_BUCKET,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     P_MODE: tl.constexpr, CAUSAL: tl.constexpr, BIAS_MODE: tl.constexpr, USE_TMA: tl.constexpr,
-    PERM_P: tl.constexpr, LIFT: tl.constexpr,
+    PERM_P: tl.constexpr, COND_RESCALE: tl.constexpr, ROWSUM_MMA: tl.constexpr, LIFT: tl.constexpr,
 ):
     # Causal: the last query tiles carry the most key tiles; launch them first.
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0) if CAUSAL else tl.program_id(0)
@@ -249,10 +310,12 @@ def _fwd_kernel(
         full_end = tl.minimum(full_end, ((pid_m * BLOCK_M + 1) // BLOCK_N) * BLOCK_N)
     acc, l_i, m_i = _attend(acc, l_i, m_i, q, row_t, K, VT, k_ptrs, v_ptrs, b_ptrs, ks_ptr, b, hk,
                             offs_m, offs_key, 0, full_end, NK, stride_kn, stride_vn, stride_bn,
-                            P_MODE, CAUSAL, BIAS_MODE, False, USE_TMA, PERM_P, HEAD_DIM, BLOCK_M, BLOCK_N)
+                            P_MODE, CAUSAL, BIAS_MODE, False, USE_TMA, PERM_P, COND_RESCALE, ROWSUM_MMA,
+                            HEAD_DIM, BLOCK_M, BLOCK_N)
     acc, l_i, m_i = _attend(acc, l_i, m_i, q, row_t, K, VT, k_ptrs, v_ptrs, b_ptrs, ks_ptr, b, hk,
                             offs_m, offs_key, full_end, hi, NK, stride_kn, stride_vn, stride_bn,
-                            P_MODE, CAUSAL, BIAS_MODE, True, USE_TMA, PERM_P, HEAD_DIM, BLOCK_M, BLOCK_N)
+                            P_MODE, CAUSAL, BIAS_MODE, True, USE_TMA, PERM_P, COND_RESCALE, ROWSUM_MMA,
+                            HEAD_DIM, BLOCK_M, BLOCK_N)
 
     v_scale = tl.load(VS + b * stride_vsb + hk * stride_vsh)
     r = tl.math.div_rn(tl.full([BLOCK_M], 1.0, tl.float32) * v_scale, l_i)
@@ -265,13 +328,19 @@ def _fwd_kernel(
 
 # ------------------------------------------------------------------------ launch
 
-# (BLOCK_M, num_warps, num_stages).  BLOCK_M must divide KEY_TILE or equal it (the
-# causal mask split above assumes so).  128/8 keeps two warpgroups per program sharing
-# each K/V tile; 64/4 gives several independent programs per SM, which overlap one
-# program's softmax with another's tensor-core work.
-CONFIGS = [(128, 8, 2), (128, 8, 3), (64, 4, 2), (64, 4, 3)]
-# Used when autotuning is off (the default for correctness runs); see docs/perf-notes.md.
-DEFAULT_CONFIG = (128, 8, 2)
+# (BLOCK_M, num_warps, num_stages, maxnreg).  BLOCK_M must divide KEY_TILE.  128/8 keeps
+# two warpgroups per program in lockstep (one program per SM); 64/4 with a register cap
+# fits 2-4 programs per SM, whose softmax and tensor-core phases interleave (Triton gives
+# no ping-pong within one program).  Measured in docs/perf-notes.md.
+CONFIGS = [(128, 8, 2, None), (128, 8, 3, None), (64, 4, 2, None), (64, 4, 2, 168), (64, 4, 3, 168), (64, 4, 2, 128)]
+# Measured best per (head dim, causal) on the H200 (docs/perf-notes.md); used unless a
+# config is passed or FP4ATTN_AUTOTUNE=1.
+_TUNED = {(128, False): (128, 8, 2, None), (128, True): (128, 8, 2, None),
+          (64, False): (128, 8, 2, None), (64, True): (128, 8, 2, None)}
+
+
+def tuned_config(head_dim: int, causal: bool):
+    return _TUNED[(head_dim, bool(causal))]
 
 
 def _n_bucket(n: int) -> int:
@@ -280,8 +349,8 @@ def _n_bucket(n: int) -> int:
 
 
 _tuned = triton.autotune(
-    configs=[triton.Config({"BLOCK_M": bm}, num_warps=w, num_stages=s) for bm, w, s in CONFIGS],
-    key=["N_BUCKET", "HEAD_DIM", "P_MODE", "CAUSAL", "BIAS_MODE", "USE_TMA", "PERM_P"],
+    configs=[triton.Config({"BLOCK_M": bm}, num_warps=w, num_stages=s, maxnreg=r) for bm, w, s, r in CONFIGS],
+    key=["N_BUCKET", "HEAD_DIM", "P_MODE", "CAUSAL", "BIAS_MODE", "USE_TMA", "PERM_P", "COND_RESCALE", "ROWSUM_MMA"],
 )(_fwd_kernel)
 
 
@@ -308,13 +377,15 @@ def _descriptor(t: torch.Tensor, block_shape):
 
 # Gather K rows so that P needs no register shuffles before the P.V wgmma (see
 # _key_permutation); costs TMA for K (a permuted row gather is a pointer load).
-PERM_P = os.environ.get("FP4ATTN_PERM_P", "1") == "1"
+PERM_P = True
+# Variant switches measured in docs/perf-notes.md; the defaults are the measured best.
+OPTIONS = dict(COND_RESCALE=False, ROWSUM_MMA=False)
 
 
 def attention_forward(q, k, v_t, q_scale, k_scale, v_scale, bias, causal, p_mode, out, lse,
-                      config=None, use_tma=None, perm_p=None):
+                      config=None, use_tma=None, perm_p=None, options=None):
     """Launch the forward kernel into the preallocated ``out`` [B, H, Nq, D] (any strides)
-    and ``lse`` [B, H, Nq] float32.  ``config`` = (BLOCK_M, num_warps, num_stages)
+    and ``lse`` [B, H, Nq] float32.  ``config`` = (BLOCK_M, num_warps, num_stages, maxnreg)
     overrides the default (benchmarks use it); ``FP4ATTN_AUTOTUNE=1`` autotunes.
     ``use_tma=False`` forces the pointer path (tests use it to cover both)."""
     b, h, nq, d = q.shape
@@ -351,12 +422,14 @@ def attention_forward(q, k, v_t, q_scale, k_scale, v_scale, bias, causal, p_mode
         h, h // hkv, nq, nk, _n_bucket(max(nq, nk)),
     )
     meta = dict(HEAD_DIM=d, BLOCK_N=BLOCK_N, P_MODE=_P_MODE_ID[p_mode], CAUSAL=bool(causal),
-                BIAS_MODE=bias_mode, USE_TMA=tma, PERM_P=perm, LIFT=F.p_lift(p_mode))
+                BIAS_MODE=bias_mode, USE_TMA=tma, PERM_P=perm, LIFT=F.p_lift(p_mode), **OPTIONS)
+    meta.update(options or {})
     if config is None and _autotune_enabled():
         grid = lambda META: (triton.cdiv(nq, META["BLOCK_M"]), b * h)  # noqa: E731
         _tuned[grid](*args, **meta)
         return
-    block_m, warps, stages = config or DEFAULT_CONFIG
+    block_m, warps, stages, maxnreg = config or tuned_config(d, causal)
     assert F.KEY_TILE % block_m == 0
+    extra = {"maxnreg": maxnreg} if maxnreg else {}
     _fwd_kernel[(triton.cdiv(nq, block_m), b * h)](*args, **meta, BLOCK_M=block_m, num_warps=warps,
-                                                    num_stages=stages)
+                                                    num_stages=stages, **extra)

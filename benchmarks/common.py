@@ -1,0 +1,105 @@
+"""Helpers shared by the benchmark scripts (inputs, FLOP counts, parallel precompile)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import datetime
+import multiprocessing
+import os
+import platform
+import sys
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from fp4_inductor import formats as F  # noqa: E402
+
+
+def attention_flops(b: int, h: int, nq: int, nk: int, d: int, causal: bool) -> float:
+    """4 B H Nq Nk D (two GEMMs), half when causal (FA3's convention)."""
+    f = 4.0 * b * h * nq * nk * d
+    return f / 2 if causal else f
+
+
+def fa3_shape(n: int, d: int, total_tokens: int = 16384, width: int = 2048) -> tuple[int, int]:
+    """(B, H) of FlashAttention-3's benchmark grid: B * N = 16384, H * D = 2048."""
+    return max(total_tokens // n, 1), width // d
+
+
+def quantized_inputs(b, h, hkv, nq, nk, d, p_mode, device="cuda", dtype=torch.bfloat16, sm_scale=None):
+    """Gaussian Q, K, V and their quantized forms (formats.py), on ``device``."""
+    q = torch.randn(b, h, nq, d, device=device, dtype=dtype)
+    k = torch.randn(b, hkv, nk, d, device=device, dtype=dtype)
+    v = torch.randn(b, hkv, nk, d, device=device, dtype=dtype)
+    scale = d ** -0.5 if sm_scale is None else sm_scale
+    q8, qs = F.quantize_q(q, scale)
+    k8, ks = F.quantize_k(k)
+    vt, vs = F.quantize_v(v, "fp4" if p_mode == "fp4" else "fp8")
+    return (q, k, v), (q8, k8, vt, qs, ks, vs)
+
+
+def empty_outputs(b, h, nq, d, dtype=torch.bfloat16, device="cuda", fill=float("nan")):
+    """O [B, H, Nq, D] stored [B, Nq, H, D] (as the op allocates it) and LSE, poisoned."""
+    out = torch.full((b, nq, h, d), fill, dtype=dtype, device=device).transpose(1, 2)
+    lse = torch.full((b, h, nq), fill, dtype=torch.float32, device=device)
+    return out, lse
+
+
+def environment() -> dict:
+    import triton
+
+    env = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+    }
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        env.update(device=p.name, sms=p.multi_processor_count, capability=f"{p.major}.{p.minor}")
+        env["cudnn"] = torch.backends.cudnn.version()
+    return env
+
+
+def _compile_one(spec):
+    """Run one variant once on a small batch so Triton compiles it into the shared cache."""
+    import time
+
+    from fp4_inductor.kernels.triton import attention_fwd as A
+
+    n, d, p_mode, causal, bias_mode, config, options, perm = spec
+    options = dict(options)
+    t0 = time.time()
+    try:
+        torch.manual_seed(0)
+        _, (q8, k8, vt, qs, ks, vs) = quantized_inputs(1, 1, 1, n, n, d, p_mode)
+        bias = None
+        if bias_mode == 1:
+            bias = torch.zeros(1, 1, 1, n, device="cuda")
+        elif bias_mode == 2:
+            bias = torch.zeros(1, 1, n, n, device="cuda")
+        out, lse = empty_outputs(1, 1, n, d)
+        A.attention_forward(q8, k8, vt, qs, ks, vs, bias, causal, p_mode, out, lse, config=config,
+                            options=options, perm_p=perm)
+        torch.cuda.synchronize()
+        return spec, time.time() - t0, None
+    except Exception as err:  # reported by the caller
+        return spec, time.time() - t0, f"{type(err).__name__}: {err}"[:400]
+
+
+def precompile(specs, workers: int = 8):
+    """Compile kernel variants in parallel processes (Triton's on-disk cache is shared),
+    so the timing loop in the parent finds them compiled.  A spec is (N, D, p_mode,
+    causal, bias_mode, config, options as sorted (name, value) pairs, perm_p).
+    Returns {spec: error or None}."""
+    specs = list(dict.fromkeys(specs))
+    ctx = multiprocessing.get_context("spawn")
+    errors = {}
+    with concurrent.futures.ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
+        for spec, _, err in pool.map(_compile_one, specs):
+            errors[spec] = err
+    return errors
