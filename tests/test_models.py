@@ -58,7 +58,7 @@ def test_model_inference(name, attn):
     assert cosine(out[0], ref) > 0.99
 
 
-@pytest.mark.parametrize("name, attn", [("llama", "eager"), ("llama", "sdpa"), ("gpt2", "eager"), ("bert", "sdpa")])
+@pytest.mark.parametrize("name, attn", MODELS)
 def test_model_training_gradients(name, attn):
     model, inputs = _model(name, attn)
     model.train()
