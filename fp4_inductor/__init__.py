@@ -3,9 +3,11 @@
     torch.compile(model, backend="fp4attn")
 """
 
-from .compiler import backend
-from .config import configure
-from .explain import Report, explain
+__version__ = "0.1.0"  # before the imports: tuning keys its cache on it
 
-__all__ = ["backend", "configure", "explain", "Report"]
-__version__ = "0.1.0"
+from .compiler import backend  # noqa: E402
+from .config import configure  # noqa: E402
+from .explain import Report, explain  # noqa: E402
+from .tuning import tune  # noqa: E402
+
+__all__ = ["backend", "configure", "explain", "tune", "Report"]

@@ -17,11 +17,13 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from . import config
 from .config import Options
 from .patterns import find_sites, replace_site
+from .patterns.common import value
 from .policy import Decision, decide
+from .tuning import load_decisions
 
 _PACKAGE = Path(__file__).parent
 # Everything that decides what a rewritten graph contains.
-_SOURCES = ("attention.py", "config.py", "formats.py", "policy.py", "patterns")
+_SOURCES = ("attention.py", "config.py", "formats.py", "policy.py", "tuning.py", "patterns", "tables")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +44,7 @@ def _source_digest() -> str:
     h = hashlib.sha256()
     for name in _SOURCES:
         path = _PACKAGE / name
-        for file in sorted(path.rglob("*.py")) if path.is_dir() else [path]:
+        for file in sorted(f for f in path.rglob("*") if f.suffix in (".py", ".json")) if path.is_dir() else [path]:
             h.update(file.read_bytes())
     return h.hexdigest()
 
@@ -59,8 +61,11 @@ class AttentionRewritePass(CustomGraphPass):
         self.records: list[SiteRecord] = []
 
     def __call__(self, graph: torch.fx.Graph) -> None:
+        tuned = None
         for site in find_sites(graph):
-            decision = decide(site, self.options)
+            if tuned is None:
+                tuned = _tuned_decisions(site) if self.options.policy == "auto" else {}
+            decision = decide(site, self.options, tuned)
             self.records.append(_record(site, decision))
             if decision.low_precision:
                 p_mode = self.options.p_mode if self.options.fmt == "fp8" else None
@@ -70,9 +75,14 @@ class AttentionRewritePass(CustomGraphPass):
         return hashlib.sha256(f"{_source_digest()}:{self.options!r}".encode()).hexdigest()
 
 
-def _record(site, decision: Decision) -> SiteRecord:
-    from .patterns.common import value
+def _tuned_decisions(site) -> dict:
+    q = value(site.q)
+    if not isinstance(q, torch.Tensor) or q.device.type != "cuda":
+        return {}
+    return load_decisions(torch.cuda.get_device_name(q.device))
 
+
+def _record(site, decision: Decision) -> SiteRecord:
     q = value(site.q)
     return SiteRecord(
         name=site.name,

@@ -20,6 +20,11 @@ class Options:
     fmt: str = "fp8"
     # Advanced: the P operand mode for fmt="fp8" ("direct" or "exp"); None = format default.
     p_mode: str | None = None
+    # Per-site overrides, first match wins: ((glob on the site's module path, path), ...),
+    # e.g. (("model.layers.0.*", "bf16"),) keeps the first layer in BF16.
+    overrides: tuple = ()
+    # tune(): keep low precision at a site only if its output cosine vs BF16 is at least this.
+    min_cosine: float = 0.99
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -28,8 +33,15 @@ class Options:
             raise ValueError(f"fmt must be one of {FORMATS}, got {self.fmt!r}")
         if self.p_mode is not None and self.p_mode not in P_MODES:
             raise ValueError(f"p_mode must be one of {P_MODES}, got {self.p_mode!r}")
+        for pattern, path in self.overrides:
+            if not isinstance(pattern, str) or path not in (*FORMATS, "bf16"):
+                raise ValueError(f"override ({pattern!r}, {path!r}): need (glob, one of {(*FORMATS, 'bf16')})")
+        if not 0.0 <= self.min_cosine <= 1.0:
+            raise ValueError(f"min_cosine must lie in [0, 1], got {self.min_cosine}")
 
     def replace(self, **changes) -> "Options":
+        if isinstance(changes.get("overrides"), dict):
+            changes["overrides"] = tuple(changes["overrides"].items())
         return dataclasses.replace(self, **{k: v for k, v in changes.items() if v is not None})
 
 
@@ -53,10 +65,27 @@ def current() -> Options:
 
 class configure:
     """Set options for later compiles: ``fp4_inductor.configure(policy="always")``
-    applies until changed; ``with fp4_inductor.configure(fmt="fp4"): ...`` only inside."""
+    applies until changed; ``with fp4_inductor.configure(fmt="fp4"): ...`` only inside.
 
-    def __init__(self, policy: str | None = None, fmt: str | None = None, p_mode: str | None = None):
-        changes = {"policy": policy, "fmt": fmt, "p_mode": p_mode}
+    ``overrides`` maps globs on module paths (as ``explain`` prints them) to a path:
+    ``{"model.layers.0.*": "bf16", "model.layers.31.*": "bf16"}``.
+    """
+
+    def __init__(
+        self,
+        policy: str | None = None,
+        fmt: str | None = None,
+        p_mode: str | None = None,
+        overrides: dict | None = None,
+        min_cosine: float | None = None,
+    ):
+        changes = {
+            "policy": policy,
+            "fmt": fmt,
+            "p_mode": p_mode,
+            "overrides": overrides,
+            "min_cosine": min_cosine,
+        }
         current().replace(**changes)  # validate now, not at the next compile
         self._changes = changes
         _overrides.append(changes)

@@ -1,14 +1,21 @@
 """Which path each attention site takes, and why.
 
 Support checks come first (anything the low-precision op cannot compute exactly as the
-site means it stays as written); then the policy: ``never``, ``always`` (low precision
-wherever supported; on a device without a kernel this runs the reference emulation),
-or ``auto``.
+site means it stays as written); then per-site overrides; then the policy: ``never``,
+``always`` (low precision wherever supported; on a device without a kernel this runs the
+reference emulation), or ``auto``: decisions measured by ``tune()`` on this GPU, else the
+cost model over the GPU's measured table in ``tables/``, else BF16.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
+import functools
+import json
+import math
+import re
+from pathlib import Path
 
 import torch
 
@@ -75,10 +82,110 @@ def _broadcasts(shape, target) -> bool:
         return False
 
 
-def decide(site: Site, options: Options) -> Decision:
+# Below this predicted speedup BF16 is kept: the model's error is a few percent, and a
+# user must never get a slowdown from the backend.
+MIN_SPEEDUP = 1.03
+_TABLES = Path(__file__).parent / "tables"
+
+
+@dataclasses.dataclass(frozen=True)
+class SiteShape:
+    b: int
+    h: int
+    hkv: int
+    nq: int
+    nk: int
+    d: int
+    causal: bool
+    training: bool
+
+    def flops(self) -> float:
+        """Matrix FLOPs: 4 B H Nq Nk D forward (about half when causal), 3.5x for fwd+bwd."""
+        fwd = 4.0 * self.b * self.h * self.nq * self.nk * self.d * (0.5 if self.causal else 1.0)
+        return fwd * (3.5 if self.training else 1.0)
+
+    def table_key(self) -> str:
+        return f"d{self.d}/{'causal' if self.causal else 'full'}/{'train' if self.training else 'fwd'}"
+
+
+@dataclasses.dataclass(frozen=True)
+class CostTable:
+    """Measured throughput per path on one GPU model (a data file in ``tables/``).
+
+    ``rates[path][key]`` lists ``(N, TFLOP/s)`` measured on FlashAttention-3's grid
+    (B N = 16k, H D = 2048); low-precision rates include the quantization pass.
+    ``launch_us``: fixed cost of the extra kernels of the low-precision path.
+    """
+
+    gpu: str
+    rates: dict
+    launch_us: float
+    source: str
+
+    @classmethod
+    def from_json(cls, text: str) -> "CostTable":
+        doc = json.loads(text)
+        rates = {
+            path: {key: sorted((int(n), float(r)) for n, r in points.items()) for key, points in by_key.items()}
+            for path, by_key in doc["tflops"].items()
+        }
+        return cls(gpu=doc["gpu"], rates=rates, launch_us=float(doc["launch_us"]), source=doc.get("source", ""))
+
+    def rate(self, path: str, shape: SiteShape) -> float | None:
+        """TFLOP/s at the shape's key length, log-linear between measured lengths."""
+        points = self.rates.get(path, {}).get(shape.table_key())
+        if not points:
+            return None
+        n = max(shape.nq, shape.nk)
+        if n <= points[0][0]:
+            return points[0][1]
+        if n >= points[-1][0]:
+            return points[-1][1]
+        for (n0, r0), (n1, r1) in zip(points, points[1:]):
+            if n0 <= n <= n1:
+                t = (math.log(n) - math.log(n0)) / (math.log(n1) - math.log(n0))
+                return r0 + t * (r1 - r0)
+        return None
+
+
+@functools.cache
+def table_for(gpu_name: str) -> CostTable | None:
+    path = _TABLES / (re.sub(r"[^a-z0-9]+", "_", gpu_name.lower()).strip("_") + ".json")
+    return CostTable.from_json(path.read_text()) if path.exists() else None
+
+
+def predict_speedup(shape: SiteShape, fmt: str, table: CostTable) -> float | None:
+    """BF16 time over low-precision time, or None where the table has no rate."""
+    low = table.rate(fmt, shape) or table.rate("fp8", shape)
+    bf16 = table.rate("bf16", shape)
+    if low is None or bf16 is None:
+        return None
+    flops = shape.flops()
+    # The table's grid fills the GPU; a small site pays the same wave inefficiency on both
+    # paths, plus the low-precision path's fixed launch costs.
+    t_bf16 = flops / (bf16 * 1e12)
+    t_low = flops / (low * 1e12) + table.launch_us * 1e-6
+    return t_bf16 / t_low
+
+
+def site_shape(site: Site) -> SiteShape | None:
+    dims = site.shape()
+    if dims is None:
+        return None
+    q = value(site.q)
+    return SiteShape(*dims, causal=site.causal, training=bool(q.requires_grad))
+
+
+def decide(site: Site, options: Options, tuned: dict | None = None) -> Decision:
+    """The path for one site: support, then overrides, then the policy.
+
+    ``tuned``: decisions measured by ``tune()`` for this GPU, keyed by ``site_key``."""
     reason = unsupported_reason(site)
     if reason is not None:
         return Decision("bf16", reason)
+    for pattern, path in options.overrides:
+        if fnmatch.fnmatchcase(site.name, pattern):
+            return Decision(path, f"override {pattern!r} -> {path}")
     if options.policy == "never":
         return Decision("bf16", "policy=never")
     device = value(site.q).device
@@ -87,4 +194,27 @@ def decide(site: Site, options: Options) -> Decision:
         return Decision(options.fmt, "policy=always" + where)
     if not has_forward_kernel(device):
         return Decision("bf16", "no low-precision kernel for this device")
-    return Decision("bf16", "no measured cost table for this GPU yet; use policy='always' to force")
+    shape = site_shape(site)
+    key = site_key(shape, options.fmt)
+    if tuned and key in tuned:
+        entry = tuned[key]
+        return Decision(entry["path"], f"tuned on this GPU: {entry['speedup']:.2f}x, cosine {entry['cosine']:.4f}",
+                        entry["speedup"])
+    gpu = torch.cuda.get_device_name(device)
+    table = table_for(gpu)
+    if table is None:
+        return Decision("bf16", f"no measured cost table for {gpu}; run fp4_inductor.tune() or use policy='always'")
+    speedup = predict_speedup(shape, options.fmt, table)
+    if speedup is None:
+        return Decision("bf16", f"cost table for {gpu} has no rate for {shape.table_key()}")
+    if speedup >= MIN_SPEEDUP:
+        return Decision(options.fmt, f"cost model: {speedup:.2f}x over BF16", speedup)
+    return Decision("bf16", f"cost model: {options.fmt} would be {speedup:.2f}x of BF16", speedup)
+
+
+def site_key(shape: SiteShape, fmt: str) -> str:
+    """Identity of a site's shape in the tuning cache."""
+    s = shape
+    mode = "train" if s.training else "fwd"
+    causal = "causal" if s.causal else "full"
+    return f"{fmt}/b{s.b}/h{s.h}/kv{s.hkv}/q{s.nq}/k{s.nk}/d{s.d}/{causal}/{mode}"

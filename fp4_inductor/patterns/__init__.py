@@ -62,7 +62,10 @@ def _scale_arg(graph: fx.Graph, scale):
     return result
 
 
-def replace_site(graph: fx.Graph, site: Site, fmt: str, p_mode: str | None) -> fx.Node:
+def replace_site(graph: fx.Graph, site: Site, fmt: str, p_mode: str | None, target=lowp_attention,
+                 extra: dict | None = None) -> fx.Node:
+    """Call ``target`` (``lowp_attention``'s signature) in place of the site; ``extra``
+    are further keyword arguments (tuning passes its bookkeeping this way)."""
     anchor = site.anchor
     with graph.inserting_before(anchor):
         if len(site.bias_terms) == 1 and not site.bias_terms[0][1] and not (site.keep_masks or site.drop_masks):
@@ -76,10 +79,10 @@ def replace_site(graph: fx.Graph, site: Site, fmt: str, p_mode: str | None) -> f
         else:
             mask = site.attn_mask
         new = graph.call_function(
-            lowp_attention,
+            target,
             (site.q, site.k, site.v),
             {"attn_mask": mask, "scale": _scale_arg(graph, site.scale), "is_causal": site.causal,
-             "fmt": fmt, "p_mode": p_mode},
+             "fmt": fmt, "p_mode": p_mode, **(extra or {})},
         )
         want = value(anchor).dtype
         if value(site.q).dtype != want:

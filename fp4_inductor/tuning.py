@@ -1,0 +1,183 @@
+"""``tune()``: measure each attention site of a model on this GPU through both paths and
+keep the decisions in a JSON cache that later compiles read.
+
+The cache lives in ``$FP4ATTN_CACHE_DIR`` or ``$XDG_CACHE_HOME/fp4_inductor`` (default
+``~/.cache/fp4_inductor``), one file per GPU model.  It is validated on load, written
+atomically, and never pickled; a corrupt file or one written for another GPU or other
+library versions is ignored with a warning.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+
+from . import __version__, config
+from .attention import lowp_attention
+from .patterns import find_sites, replace_site
+from .policy import MIN_SPEEDUP, decide, site_key, site_shape
+
+SCHEMA = 1
+PATHS = ("fp8", "fp4", "bf16")
+_ENTRY_FIELDS = {"path": str, "speedup": float, "cosine": float, "t_low_ms": float, "t_bf16_ms": float}
+
+
+def cache_dir() -> Path:
+    if os.environ.get("FP4ATTN_CACHE_DIR"):
+        return Path(os.environ["FP4ATTN_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fp4_inductor"
+
+
+def environment(gpu: str) -> dict:
+    """What the measurements depend on besides the shape."""
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    return {"gpu": gpu, "torch": torch.__version__, "triton": triton_version, "fp4_inductor": __version__}
+
+
+def cache_file(gpu: str) -> Path:
+    return cache_dir() / f"decisions-{re.sub(r'[^a-z0-9]+', '_', gpu.lower()).strip('_')}.json"
+
+
+def _valid_entry(entry) -> bool:
+    if not isinstance(entry, dict) or set(entry) != set(_ENTRY_FIELDS):
+        return False
+    for name, kind in _ENTRY_FIELDS.items():
+        value = entry[name]
+        if kind is float:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                return False
+        elif not isinstance(value, kind):
+            return False
+    return entry["path"] in PATHS
+
+
+def load_decisions(gpu: str) -> dict:
+    """Tuned decisions for this GPU and library versions ({} if none or unusable)."""
+    path = cache_file(gpu)
+    if not path.exists():
+        return {}
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        warnings.warn(f"fp4attn: ignoring unreadable tuning cache {path}: {err}", RuntimeWarning, stacklevel=2)
+        return {}
+    if not isinstance(doc, dict) or doc.get("schema") != SCHEMA or not isinstance(doc.get("entries"), dict):
+        warnings.warn(f"fp4attn: ignoring tuning cache {path}: unknown schema", RuntimeWarning, stacklevel=2)
+        return {}
+    if doc.get("environment") != environment(gpu):
+        warnings.warn(
+            f"fp4attn: ignoring tuning cache {path}: written for {doc.get('environment')}, not {environment(gpu)}",
+            RuntimeWarning, stacklevel=2,
+        )
+        return {}
+    entries = doc["entries"]
+    if not all(isinstance(k, str) and _valid_entry(v) for k, v in entries.items()):
+        warnings.warn(f"fp4attn: ignoring tuning cache {path}: malformed entries", RuntimeWarning, stacklevel=2)
+        return {}
+    return entries
+
+
+def save_decisions(gpu: str, entries: dict) -> Path:
+    """Merge ``entries`` into the cache file, atomically (write a temporary, then rename)."""
+    merged = {**load_decisions(gpu), **entries}
+    path = cache_file(gpu)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    doc = {"schema": SCHEMA, "environment": environment(gpu), "entries": merged}
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(doc, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    return path
+
+
+@dataclasses.dataclass
+class TuneResult:
+    key: str
+    name: str
+    entry: dict
+
+
+def _median_ms(fn, rep_ms: int) -> float:
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=25, rep=rep_ms, return_mode="median")
+
+
+def _probe(q, k, v, attn_mask=None, scale=None, is_causal=False, *, fmt, p_mode, key, results, min_cosine, rep_ms):
+    """Runs in place of a site while tuning: BF16 SDPA (what the site falls back to) and
+    the low-precision path on the real activations; records time and accuracy, returns
+    the BF16 output so the model runs on unchanged."""
+    sdpa_kwargs = {"attn_mask": attn_mask, "scale": scale, "is_causal": is_causal,
+                   "enable_gqa": q.dim() == 4 and q.shape[1] != k.shape[1]}
+    training = q.requires_grad
+    q, k, v = (t.detach().requires_grad_(training) for t in (q, k, v))
+
+    def bf16():
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, **sdpa_kwargs)
+        if training:
+            out.backward(torch.ones_like(out))
+        return out
+
+    def low():
+        out = lowp_attention(q, k, v, attn_mask, scale, is_causal, fmt=fmt, p_mode=p_mode)
+        if training:
+            out.backward(torch.ones_like(out))
+        return out
+
+    with torch.enable_grad():
+        ref, got = bf16(), low()
+        cosine = torch.nn.functional.cosine_similarity(got.double().flatten(), ref.double().flatten(), dim=0).item()
+        t_bf16, t_low = _median_ms(bf16, rep_ms), _median_ms(low, rep_ms)
+    speedup = t_bf16 / t_low
+    path = fmt if speedup >= MIN_SPEEDUP and cosine >= min_cosine else "bf16"
+    results[key] = {"path": path, "speedup": speedup, "cosine": cosine, "t_low_ms": t_low, "t_bf16_ms": t_bf16}
+    return ref.detach()
+
+
+def tune(model_or_fn, *args, fmt: str | None = None, min_cosine: float | None = None, rep_ms: int = 100,
+         **kwargs) -> list[TuneResult]:
+    """Time every supported attention site of ``model_or_fn(*args, **kwargs)`` on this GPU
+    in BF16 and in low precision, keep low precision where it is faster and at least
+    ``min_cosine`` accurate (cosine of the site's output vs BF16 on the real activations),
+    and store the decisions for later compiles (``policy="auto"``)."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("fp4_inductor.tune() measures on a CUDA GPU; none is available")
+    options = config.current().replace(fmt=fmt, min_cosine=min_cosine, policy="always")
+    gpu = torch.cuda.get_device_name()
+    measured: dict = {}
+    results: list[TuneResult] = []
+
+    def probing_backend(gm, example_inputs):
+        for site in find_sites(gm.graph):
+            if not decide(site, options).low_precision:
+                continue
+            key = site_key(site_shape(site), options.fmt)
+            results.append(TuneResult(key, site.name, {}))
+            replace_site(gm.graph, site, options.fmt, options.p_mode, target=_probe,
+                         extra={"key": key, "results": measured, "min_cosine": options.min_cosine,
+                                "rep_ms": rep_ms})
+        gm.recompile()
+        return gm.forward
+
+    torch.compile(model_or_fn, backend=probing_backend)(*args, **kwargs)
+    save_decisions(gpu, measured)
+    for result in results:
+        result.entry = measured.get(result.key, {})
+    return results

@@ -1,0 +1,177 @@
+"""Decision logic: cost model over a measured table, overrides, tuned decisions, and the
+tuning cache's handling of bad files.  Synthetic tables; no GPU needed."""
+
+import json
+import warnings
+
+import pytest
+import torch
+import torch.fx as fx
+
+import fp4_inductor
+from fp4_inductor import policy, tuning
+from fp4_inductor.config import Options
+from fp4_inductor.patterns import find_sites
+from fp4_inductor.patterns.common import Site
+
+TABLE = {
+    "gpu": "Test GPU",
+    "source": "synthetic",
+    "launch_us": 20.0,
+    "tflops": {
+        "bf16": {"d128/full/fwd": {"512": 400, "4096": 600, "16384": 610}},
+        "fp8": {"d128/full/fwd": {"512": 300, "4096": 800, "16384": 900}},
+    },
+}
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch, tmp_path):
+    """A CUDA-like world on the CPU: kernels 'exist', the GPU is 'Test GPU' with TABLE."""
+    monkeypatch.setattr(policy, "has_forward_kernel", lambda device: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Test GPU")
+    monkeypatch.setattr(policy, "table_for", lambda gpu: policy.CostTable.from_json(json.dumps(TABLE)))
+    monkeypatch.setenv("FP4ATTN_CACHE_DIR", str(tmp_path))
+
+
+def _site(b=2, h=16, hkv=16, n=4096, d=128, causal=False, training=False, name="layers.3.attn"):
+    graph = fx.Graph()
+    nodes = []
+    for label, heads in (("q", h), ("k", hkv), ("v", hkv)):
+        node = graph.placeholder(label)
+        node.meta["example_value"] = torch.empty(b, heads, n, d, requires_grad=training)
+        nodes.append(node)
+    return Site("sdpa", nodes[0], *nodes, causal=causal, name=name)
+
+
+def test_rate_interpolates_in_log_length_and_clamps():
+    table = policy.CostTable.from_json(json.dumps(TABLE))
+    shape = lambda n: policy.SiteShape(1, 1, 1, n, n, 128, False, False)
+    assert table.rate("fp8", shape(512)) == 300
+    assert table.rate("fp8", shape(128)) == 300  # clamped below the grid
+    assert table.rate("fp8", shape(65536)) == 900  # and above
+    assert table.rate("fp8", shape(2048)) == pytest.approx(300 + 500 * 2 / 3)
+    assert table.rate("fp8", policy.SiteShape(1, 1, 1, 512, 512, 64, False, False)) is None
+
+
+def test_cost_model_picks_low_precision_only_where_faster(fake_gpu):
+    big = policy.decide(_site(n=4096), Options())
+    flops = 4.0 * 2 * 16 * 4096 * 4096 * 128
+    expected = (flops / 600e12) / (flops / 800e12 + 20e-6)
+    assert big.path == "fp8" and big.predicted_speedup == pytest.approx(expected)
+    assert "cost model" in big.reason
+    slow_rate = policy.decide(_site(n=512), Options())  # table: fp8 slower at 512
+    assert slow_rate.path == "bf16" and slow_rate.predicted_speedup < 1
+    tiny = policy.decide(_site(b=1, h=1, hkv=1, n=4096), Options())  # launch cost dominates
+    assert tiny.path == "bf16" and "would be" in tiny.reason
+
+
+def test_missing_table_or_rate_keeps_bf16(fake_gpu, monkeypatch):
+    assert "no rate" in policy.decide(_site(d=64), Options()).reason
+    monkeypatch.setattr(policy, "table_for", lambda gpu: None)
+    decision = policy.decide(_site(), Options())
+    assert decision.path == "bf16" and "no measured cost table for Test GPU" in decision.reason
+
+
+def test_overrides_first_match_wins_over_policy(fake_gpu):
+    opts = Options(policy="always", overrides=(("layers.0.*", "bf16"), ("layers.*", "fp4")))
+    assert policy.decide(_site(name="layers.0.attn"), opts).path == "bf16"
+    assert policy.decide(_site(name="layers.7.attn"), opts).path == "fp4"
+    assert policy.decide(_site(name="head.attn"), opts).path == "fp8"
+    # An override never forces an unsupported site.
+    assert policy.decide(_site(d=80, name="layers.7.attn"), opts).path == "bf16"
+
+
+def test_configure_overrides_validated():
+    with pytest.raises(ValueError):
+        fp4_inductor.configure(overrides={"layers.*": "int4"})
+    with fp4_inductor.configure(overrides={"layers.0.*": "bf16"}):
+        assert fp4_inductor.config.current().overrides == (("layers.0.*", "bf16"),)
+    assert fp4_inductor.config.current().overrides == ()
+
+
+def test_tuned_decision_takes_precedence(fake_gpu):
+    site = _site(n=4096)
+    key = policy.site_key(policy.site_shape(site), "fp8")
+    tuned = {key: {"path": "bf16", "speedup": 0.97, "cosine": 0.999, "t_low_ms": 1.0, "t_bf16_ms": 0.97}}
+    decision = policy.decide(site, Options(), tuned)
+    assert decision.path == "bf16" and decision.reason.startswith("tuned on this GPU")
+
+
+def test_symbolic_shapes_decide_from_size_hints(fake_gpu):
+    decisions = []
+
+    def capture(gm, example_inputs):
+        for site in find_sites(gm.graph):
+            decisions.append((site.shape(), policy.decide(site, Options())))
+        return gm.forward
+
+    fn = lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    q, k, v = (torch.randn(1, 2, 4096, 128) for _ in range(3))
+    torch.compile(fn, backend=capture, dynamic=True)(q, k, v)
+    (shape, decision), = decisions
+    assert shape == (1, 2, 2, 4096, 4096, 128)
+    assert decision.predicted_speedup is not None
+
+
+def _entry(**changes):
+    entry = {"path": "fp8", "speedup": 1.3, "cosine": 0.998, "t_low_ms": 1.0, "t_bf16_ms": 1.3}
+    entry.update(changes)
+    return entry
+
+
+def test_cache_roundtrip_is_atomic_and_merges(fake_gpu, tmp_path):
+    tuning.save_decisions("Test GPU", {"a": _entry()})
+    tuning.save_decisions("Test GPU", {"b": _entry(path="bf16")})
+    assert tuning.load_decisions("Test GPU") == {"a": _entry(), "b": _entry(path="bf16")}
+    assert [p.name for p in tmp_path.iterdir()] == ["decisions-test_gpu.json"]  # no temporaries left
+
+
+@pytest.mark.parametrize(
+    "corrupt",
+    [
+        lambda doc: json.dumps(doc)[: len(json.dumps(doc)) // 2],  # truncated
+        lambda doc: json.dumps({**doc, "schema": 99}),  # wrong schema
+        lambda doc: json.dumps({**doc, "entries": {"a": _entry(speedup="fast")}}),  # wrong type
+        lambda doc: json.dumps({**doc, "entries": {"a": _entry(path="int4")}}),  # unknown path
+        lambda doc: json.dumps({**doc, "entries": {"a": {**_entry(), "pickle": "x"}}}),  # extra field
+        lambda doc: json.dumps({**doc, "environment": {**doc["environment"], "gpu": "Other GPU"}}),  # foreign
+        lambda doc: json.dumps([doc]),  # not an object
+    ],
+)
+def test_bad_cache_files_are_ignored_with_a_warning(fake_gpu, corrupt):
+    tuning.save_decisions("Test GPU", {"a": _entry()})
+    path = tuning.cache_file("Test GPU")
+    path.write_text(corrupt(json.loads(path.read_text())))
+    with pytest.warns(RuntimeWarning, match="ignoring"):
+        assert tuning.load_decisions("Test GPU") == {}
+
+
+def test_cache_dir_follows_xdg(monkeypatch, tmp_path):
+    monkeypatch.delenv("FP4ATTN_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert tuning.cache_file("NVIDIA H200") == tmp_path / "fp4_inductor" / "decisions-nvidia_h200.json"
+
+
+def test_tune_needs_a_gpu():
+    if torch.cuda.is_available():
+        pytest.skip("this checks the CPU-only error")
+    with pytest.raises(RuntimeError, match="CUDA"):
+        fp4_inductor.tune(lambda x: x, torch.randn(2))
+
+
+@pytest.mark.gpu
+def test_tune_writes_and_reuses_decisions(tmp_path, monkeypatch):
+    monkeypatch.setenv("FP4ATTN_CACHE_DIR", str(tmp_path))
+    from attention_variants import SdpaCausal
+
+    module = SdpaCausal().cuda().to(torch.bfloat16).eval()
+    x = torch.randn(2, 80, 256, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        results = fp4_inductor.tune(module, x, rep_ms=20)
+    assert len(results) == 1 and results[0].entry["path"] in ("fp8", "bf16")
+    assert tuning.load_decisions(torch.cuda.get_device_name()).keys() == {results[0].key}
+    torch._dynamo.reset()
+    report = fp4_inductor.explain(module, x, policy="auto")
+    assert report.sites[0].reason.startswith("tuned on this GPU")
+    assert report.sites[0].path == results[0].entry["path"]
