@@ -71,20 +71,22 @@ def _compile_one(spec):
 
     from fp4_inductor.kernels.triton import attention_fwd as A
 
-    n, d, p_mode, causal, bias_mode, config, options, perm = spec
-    options = dict(options)
+    n, d, p_mode, causal, bias_mode, config, options, perm = spec[:8]
+    extra = dict(spec[8:])  # optional (name, value) pairs: nk, hkv, out_dtype, use_tma
+    nk = extra.get("nk", n)
+    out_dtype = getattr(torch, extra.get("out_dtype", "bfloat16"))
     t0 = time.time()
     try:
         torch.manual_seed(0)
-        _, (q8, k8, vt, qs, ks, vs) = quantized_inputs(1, 1, 1, n, n, d, p_mode)
+        _, (q8, k8, vt, qs, ks, vs) = quantized_inputs(1, 1, 1, n, nk, d, p_mode)
         bias = None
         if bias_mode == 1:
-            bias = torch.zeros(1, 1, 1, n, device="cuda")
+            bias = torch.zeros(1, 1, 1, nk, device="cuda")
         elif bias_mode == 2:
-            bias = torch.zeros(1, 1, n, n, device="cuda")
-        out, lse = empty_outputs(1, 1, n, d)
+            bias = torch.zeros(1, 1, n, nk, device="cuda")
+        out, lse = empty_outputs(1, 1, n, d, dtype=out_dtype)
         A.attention_forward(q8, k8, vt, qs, ks, vs, bias, causal, p_mode, out, lse, config=config,
-                            options=options, perm_p=perm)
+                            options=dict(options), perm_p=perm, use_tma=extra.get("use_tma"))
         torch.cuda.synchronize()
         return spec, time.time() - t0, None
     except Exception as err:  # reported by the caller
@@ -94,8 +96,8 @@ def _compile_one(spec):
 def precompile(specs, workers: int = 8):
     """Compile kernel variants in parallel processes (Triton's on-disk cache is shared),
     so the timing loop in the parent finds them compiled.  A spec is (N, D, p_mode,
-    causal, bias_mode, config, options as sorted (name, value) pairs, perm_p).
-    Returns {spec: error or None}."""
+    causal, bias_mode, config, options as sorted (name, value) pairs, perm_p) followed
+    by optional (name, value) pairs (nk, out_dtype, use_tma).  Returns {spec: error}."""
     specs = list(dict.fromkeys(specs))
     ctx = multiprocessing.get_context("spawn")
     errors = {}

@@ -7,7 +7,7 @@ defaults in kernels/triton/attention_fwd.py; see docs/perf-notes.md).
    inputs): rel-L2, max |err| / max |ref|, max LSE difference, per P mode and shape;
 2. end-to-end ``lowp_attention`` against float32 SDPA on Gaussian inputs;
 3. TFLOP/s of kernel variants (tile config x switches) on FA3-grid shapes.
-Writes explore_forward.json into $OUT (or benchmarks/results) and prints tables.
+Writes explore_forward.json into --out-dir (default benchmarks/results) and prints tables.
 """
 
 from __future__ import annotations
@@ -41,7 +41,28 @@ def accuracy_cases():
     ]
 
 
+# Kernel switches, spelt out so the variants mean the same whatever the defaults are.
+BASE = (("CVT_I2F", False), ("PV_SPLIT", False))
+I2F = (("CVT_I2F", True), ("PV_SPLIT", False))
+PV = (("CVT_I2F", False), ("PV_SPLIT", True))
+BOTH = (("CVT_I2F", True), ("PV_SPLIT", True))
+ACC_VARIANTS = {"default": BOTH, "magic_i2f+pv_split": PV, "i2f": I2F, "base": BASE}  # name: launcher options
+
+
+def precompile_accuracy(modes):
+    specs = []
+    for (b, h, hkv, nq, nk, d, causal, bias_kind), mode in itertools.product(accuracy_cases(), modes):
+        for opts in ACC_VARIANTS.values():
+            specs.append((nq, d, mode, causal, 1 if bias_kind else 0, None, opts, True, ("nk", nk),
+                          ("out_dtype", "float32")))
+    t0 = time.time()
+    errors = C.precompile(specs)
+    print(f"precompiled {len(specs)} accuracy variants in {time.time() - t0:.0f}s; "
+          f"{sum(e is not None for e in errors.values())} failed", flush=True)
+
+
 def run_accuracy(modes):
+    precompile_accuracy(modes)
     rows = []
     for (b, h, hkv, nq, nk, d, causal, bias_kind), mode in itertools.product(accuracy_cases(), modes):
         (q, k, v), (q8, k8, vt, qs, ks, vs) = C.quantized_inputs(b, h, hkv, nq, nk, d, mode, device="cpu",
@@ -56,25 +77,32 @@ def run_accuracy(modes):
         t_ref = time.time() - t0
         dev = [t.cuda() for t in (q8, k8, vt, qs, ks, vs)]
         res = {}
-        for perm in (True, False):
+        for name, opts in ACC_VARIANTS.items():
             out, lse = C.empty_outputs(b, h, nq, d, dtype=torch.float32)
-            A.attention_forward(*dev, None if bias is None else bias.cuda(), causal, mode, out, lse, perm_p=perm)
-            res[perm] = (out.cpu(), lse.cpu())
-        out, lse = res[True]
-        diff = (out.double() - ref_o.double())
-        row = dict(
-            mode=mode, shape=[b, h, hkv, nq, nk, d], causal=causal, bias=bias_kind,
-            rel_l2=(diff.norm() / ref_o.double().norm()).item(),
-            max_rel=(diff.abs().max() / ref_o.abs().max()).item(),
-            lse_max=(lse - ref_l).abs().max().item(),
-            nan=bool(out.isnan().any()),
-            perm_identical=bool(torch.equal(res[True][0], res[False][0]) and torch.equal(res[True][1], res[False][1])),
-            ref_seconds=round(t_ref, 2),
-        )
+            A.attention_forward(*dev, None if bias is None else bias.cuda(), causal, mode, out, lse,
+                                options=dict(opts))
+            out, lse = out.cpu(), lse.cpu()
+            diff = out.double() - ref_o.double()
+            res[name] = dict(
+                rel_l2=(diff.norm() / ref_o.double().norm()).item(),
+                max_rel=(diff.abs().max() / ref_o.abs().max()).item(),
+                lse_max=(lse - ref_l).abs().max().item(),
+                nan=bool(out.isnan().any() or lse.isnan().any()),
+                out=out, lse=lse)
+        base_out, base_lse = res["default"].pop("out"), res["default"].pop("lse")
+        for name, r in res.items():
+            if name != "default":
+                o, l = r.pop("out"), r.pop("lse")
+                r["identical_to_default"] = bool(torch.equal(o, base_out) and torch.equal(l, base_lse))
+            else:
+                r["identical_to_default"] = True
+        row = dict(mode=mode, shape=[b, h, hkv, nq, nk, d], causal=causal, bias=bias_kind, ref_seconds=round(t_ref, 2),
+                   variants=res)
         rows.append(row)
-        print(f"acc {mode:6s} {row['shape']} causal={causal} bias={bias_kind}: rel_l2={row['rel_l2']:.2e} "
-              f"max_rel={row['max_rel']:.2e} lse={row['lse_max']:.2e} perm_same={row['perm_identical']} "
-              f"nan={row['nan']} ref={t_ref:.1f}s", flush=True)
+        cells = " | ".join(f"{n}: l2={r['rel_l2']:.1e} max={r['max_rel']:.1e} lse={r['lse_max']:.1e}"
+                           f"{' same' if r['identical_to_default'] and n != 'default' else ''}{' NaN' if r['nan'] else ''}"
+                           for n, r in res.items())
+        print(f"acc {mode:6s} {row['shape']} causal={int(causal)} bias={bias_kind}: {cells}", flush=True)
     return rows
 
 
@@ -107,26 +135,21 @@ def run_end_to_end():
 
 
 def timing_variants(quick):
-    cfgs = A.CONFIGS
-    opt_sets = [(), (("COND_RESCALE", True),), (("ROWSUM_MMA", True),), (("COND_RESCALE", True), ("ROWSUM_MMA", True))]
+    i2f, pv, both = I2F, PV, BOTH
+    big, small, reg = (128, 8, 3, None), (64, 4, 2, 168), (64, 4, 3, 168)
     v = []
     # (N, D, mode, causal, bias_mode, config, options, perm)
-    for cfg, opts in itertools.product(cfgs, opt_sets):
-        v.append((4096, 128, "direct", False, 0, cfg, opts, True))
-    for cfg in cfgs:
-        v.append((4096, 128, "exp", False, 0, cfg, (), True))
-        v.append((4096, 64, "direct", False, 0, cfg, (), True))
-        v.append((4096, 128, "direct", True, 0, cfg, (), True))
-    for cfg in cfgs[:3]:
-        v.append((4096, 128, "direct", False, 0, cfg, (), False))
-        v.append((4096, 64, "exp", False, 0, cfg, (), True))
-        v.append((4096, 128, "exp", True, 0, cfg, (), True))
-        v.append((4096, 128, "direct", True, 0, cfg, (("COND_RESCALE", True),), True))
-        v.append((4096, 64, "direct", False, 0, cfg, (("COND_RESCALE", True),), True))
-    for cfg in cfgs[:2]:
-        v.append((4096, 128, "fp4", False, 0, cfg, (), True))
-        v.append((16384, 128, "direct", False, 0, cfg, (), True))
-        v.append((16384, 128, "exp", False, 0, cfg, (), True))
+    for n, cfg, opts in itertools.product((4096, 16384), (big, small, (128, 8, 2, None)), (BASE, i2f, pv, both)):
+        v.append((n, 128, "direct", False, 0, cfg, opts, True))
+    for n, cfg, opts in itertools.product((4096, 16384), (big, small), (BASE, i2f)):
+        v.append((n, 128, "exp", False, 0, cfg, opts, True))
+        v.append((n, 128, "direct", True, 0, cfg, opts, True))
+    for cfg, opts in itertools.product((big, reg, (64, 4, 2, None)), (BASE, i2f)):
+        v.append((4096, 64, "direct", False, 0, cfg, opts, True))
+        v.append((4096, 64, "direct", True, 0, cfg, opts, True))
+        v.append((4096, 64, "exp", False, 0, cfg, opts, True))
+    for cfg in (big, small):
+        v.append((4096, 128, "fp4", False, 0, cfg, i2f, True))
     if quick:
         v = v[:6]
     return v
@@ -166,6 +189,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--skip", nargs="*", default=[], help="accuracy e2e timing")
+    ap.add_argument("--out-dir", default=os.path.join(C.ROOT, "benchmarks", "results"))
     args = ap.parse_args()
     results = {"env": C.environment()}
     print(results["env"], flush=True)
@@ -177,7 +201,7 @@ def main():
         results["accuracy"] = run_accuracy(F.P_MODES)
     if "e2e" not in args.skip:
         results["end_to_end"] = run_end_to_end()
-    out_dir = os.environ.get("OUT") or os.path.join(C.ROOT, "benchmarks", "results")
+    out_dir = args.out_dir
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "explore_forward.json"), "w") as f:
         json.dump(results, f, indent=1)

@@ -116,7 +116,7 @@ def main():
         if args.no_perm:
             name += "_noperm"
         for kv in args.opt:
-            name += "_" + kv.replace("COND_RESCALE", "cr").replace("ROWSUM_MMA", "rs").replace("OVERLAP", "ov")
+            name += "_" + kv.replace("PV_SPLIT", "pv").replace("CVT_I2F", "i2f")
         try:
             opts = {kv.split("=")[0]: bool(int(kv.split("=")[1])) for kv in args.opt}
             ck = compile_variant(d, mode, bool(causal), bias, *cfg, tma=not args.no_tma, perm=not args.no_perm,

@@ -41,9 +41,10 @@ def log2_scores(
     """``x = (q8 . k8) * (q_scale * log2e * k_scale) + bias`` for one key range,
     -inf above the diagonal when causal (top-left aligned, as SDPA's ``is_causal``)."""
     nq, nk = q8.shape[-2], k8.shape[-2]
-    # INT8 products summed exactly (|acc| < 2**24, so the float32 value is exact too).
-    k = _heads(k8, q8.shape[1])[..., keys, :].long()
-    acc = (q8.long() @ k.transpose(-1, -2)).float()
+    # INT8 products summed exactly: float64 holds every partial sum (|acc| < 2**24 for
+    # D <= 1024, so the float32 value is exact too), and unlike int64 it runs on CUDA.
+    k = _heads(k8, q8.shape[1])[..., keys, :].double()
+    acc = (q8.double() @ k.transpose(-1, -2)).float()
     row = q_scale * F.LOG2E
     col = _heads(F.expand_block_scale(k_scale, nk)[..., keys], q8.shape[1])
     t = row[..., :, None] * col[..., None, :]

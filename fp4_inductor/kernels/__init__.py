@@ -1,4 +1,4 @@
-"""GPU kernels.  ``forward_kernel`` returns a launcher for the inputs' device, or None
+"""GPU kernels.  ``forward_kernel`` and ``backward_kernel`` return a launcher for the inputs' device, or None
 where no kernel applies (then the ops run the reference emulation).
 
 ``FP4ATTN_KERNELS=0`` turns the kernels off (the reference runs instead), which is how
@@ -27,6 +27,15 @@ def _triton_forward():
     return attention_fwd.attention_forward
 
 
+@functools.cache
+def _triton_backward():
+    try:
+        from .triton import attention_bwd
+    except ImportError:
+        return None
+    return attention_bwd.attention_backward
+
+
 def has_forward_kernel(device: torch.device) -> bool:
     """Whether low-precision forward kernels run on this device (the policy asks this)."""
     if os.environ.get("FP4ATTN_KERNELS", "1") == "0" or device.type != "cuda":
@@ -41,3 +50,12 @@ def forward_kernel(q: torch.Tensor, p_mode: str):
     if q.shape[-1] not in (64, 128) or p_mode not in ("direct", "exp", "fp4"):
         return None
     return _triton_forward()
+
+
+def backward_kernel(q: torch.Tensor, p_mode: str):
+    """The Triton sm_90 backward launcher, under the forward's conditions, else None."""
+    if not has_forward_kernel(q.device):
+        return None
+    if q.shape[-1] not in (64, 128) or p_mode not in ("direct", "exp", "fp4"):
+        return None
+    return _triton_backward()

@@ -1,9 +1,11 @@
 """Hopper (sm_90) forward attention in Triton: INT8 Q.K^T, E4M3 P.V.
 
-Computes exactly what ``reference.attention_forward`` specifies: key tiles of
+Computes what ``reference.attention_forward`` specifies: key tiles of
 ``formats.KEY_TILE`` keys in ascending order, an integer running row maximum, and the
-probability operand of ``formats.probability_operand`` (bit-identical codes), with
-float32 accumulation.  Only the order of float32 sums differs from the reference.
+probability operand of ``formats.probability_operand`` (bit-identical codes).  Row sums
+and the running output are float32; each tile's P.V is accumulated by the fp8 tensor
+cores (fewer mantissa bits than float32), so outputs match the reference to ~1e-4
+rel-L2 and the LSE to ~2e-6 (docs/perf-notes.md).
 
 One kernel family, specialised at compile time on the P mode, causal masking, bias and
 head dim.  The launcher keeps the caller's strides (O is written in its [B, N, H, D]
@@ -23,20 +25,6 @@ from ... import formats as F
 _P_MODE_ID = {"direct": 0, "exp": 1, "fp4": 2}
 BLOCK_N = F.KEY_TILE  # one K scale per key tile: the tile must be the scale block
 assert F.KEY_TILE == F.SCALE_BLOCK == 128
-
-LOG2E = F.LOG2E
-LN2 = F.LN2
-# int32 + 0x4B400000 read as float32 is 1.5 * 2**23 + acc exactly while |acc| < 2**22
-# (INT8 dot over D <= 128: |acc| <= 128 * 127**2 < 2**21).  An integer add and a float
-# add instead of I2F, which issues at a quarter of the FP32 rate on sm_90.
-I2F_MAGIC_BITS = 0x4B400000
-I2F_MAGIC = 12582912.0
-# y + 2**23 rounds y in [0, 2**22) to the nearest integer, ties to even, and leaves that
-# integer in the low mantissa bits: round + convert + byte extract without F2I.
-RNE_MAGIC = 8388608.0
-# An E4M3 code c shifted left by 20 is the float32 bit pattern of value(c) * 2**-120
-# (exponent and mantissa fields line up; codes 1..7 become float32 subnormals).
-E4M3_DECODE_SCALE = 2.0**120
 
 
 @triton.jit
@@ -65,10 +53,29 @@ def _fma_sat(x, a, b):
 
 
 @triton.jit
-def _probability(x, m_new, P_MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 ROWSUM_MMA: tl.constexpr):
-    """E4M3 P operand of one key tile and its row sum (of the same E4M3 values; with
-    ROWSUM_MMA the caller sums P on the tensor cores and l_tile is unused)."""
+def _e4m3_code(v):
+    """E4M3 code (RNE, saturating) of float32 ``v`` as an int32 0..126, one cvt each.
+    Written out in PTX because Triton 3.6's float32 -> fp8 tensor conversion, on the
+    wgmma accumulator layout feeding this kernel's P path, gave wrong codes on the H200
+    (docs/perf-notes.md); the int32 code then takes the same path as Direct-P's."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b16 t; cvt.rn.satfinite.e4m3x2.f32 t, 0f00000000, $1; cvt.u32.u16 $0, t; }",
+        "=r,f", [v], dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _row_sum_of_codes(code):
+    """Row sums of the E4M3 values whose codes (0..126) are the low byte of the int32
+    ``code`` (bits 12 and up are shifted out): code << 20 is the float32 pattern of
+    value * 2**-120 (codes 1..7 land on float32 subnormals, which add exactly), so one
+    shift and one add per element, no cvt."""
+    tiny = (code << 20).to(tl.float32, bitcast=True)
+    return tl.sum(tiny, 1) * 1.329227995784916e36  # 2**120
+
+
+@triton.jit
+def _probability(x, m_new, P_MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """E4M3 P operand of one key tile and its row sum (of the same E4M3 values)."""
     if P_MODE == 0:
         # Direct-P: code = rne(clamp(8 x + 120 - 8 m, 0, 126)).  Computed as
         # z = sat(x / 32 + (120 - 8 m) / 256) = fl(8 x + 120 - 8 m) / 256 (power-of-two
@@ -78,17 +85,12 @@ def _probability(x, m_new, P_MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N:
         z = _fma_sat(x, 0.03125, ((120.0 - 8.0 * m_new) * 0.00390625)[:, None])
         bits = (z + 32768.0).to(tl.int32, bitcast=True)
         p = bits.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
-        if ROWSUM_MMA:
-            l_tile = m_new
-        else:
-            tiny = (bits << 20).to(tl.float32, bitcast=True)
-            l_tile = tl.sum(tiny, 1) * 1.329227995784916e36  # 2**120
+        l_tile = _row_sum_of_codes(bits)  # the shift drops the magic's exponent bits
     elif P_MODE == 1:
-        p = tl.math.exp2(x - m_new[:, None] + 8.0).to(tl.float8e4nv)
-        if ROWSUM_MMA:
-            l_tile = m_new
-        else:
-            l_tile = tl.sum(p.to(tl.float32), 1)
+        # exp2 on the MUFU, E4M3 from the cvt instruction (RNE, saturating).
+        code = _e4m3_code(tl.math.exp2(x - m_new[:, None] + 8.0))
+        p = code.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+        l_tile = _row_sum_of_codes(code)
     else:
         FP4_BLOCK: tl.constexpr = 32
         rel = tl.reshape(x - m_new[:, None], (BLOCK_M, BLOCK_N // FP4_BLOCK, FP4_BLOCK))
@@ -104,11 +106,9 @@ def _probability(x, m_new, P_MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N:
         # such value to 0 anyway).
         ebits = tl.maximum(e.to(tl.int32) + (127 + 6), 0) << 23
         scale = ebits.to(tl.float32, bitcast=True)
-        p = tl.reshape(q * scale[:, :, None], (BLOCK_M, BLOCK_N)).to(tl.float8e4nv)
-        if ROWSUM_MMA:
-            l_tile = m_new
-        else:
-            l_tile = tl.sum(p.to(tl.float32), 1)
+        code = _e4m3_code(tl.reshape(q * scale[:, :, None], (BLOCK_M, BLOCK_N)))
+        p = code.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+        l_tile = _row_sum_of_codes(code)
     return p, l_tile
 
 
@@ -171,16 +171,21 @@ def _unpermute_p(p, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
 def _update(
     acc, l_i, m_i, s, v, start_n, row_t, ks_ptr, b_ptrs, offs_m, offs_key, NK, stride_bn,
     P_MODE: tl.constexpr, CAUSAL: tl.constexpr, BIAS_MODE: tl.constexpr, MASKED: tl.constexpr,
-    PERM_P: tl.constexpr, COND_RESCALE: tl.constexpr, ROWSUM_MMA: tl.constexpr,
+    PERM_P: tl.constexpr, PV_SPLIT: tl.constexpr, CVT_I2F: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Online-softmax update with one key tile: int32 scores ``s`` [BLOCK_M, BLOCK_N] in
     key order ``offs_key``, V^T tile ``v``."""
-    s = (s + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0  # exact int32 -> f32
+    if CVT_I2F:
+        s = s.to(tl.float32)  # exact (|s| < 2**21); one I2FP, fewer instructions than the magic add
+    else:
+        s = (s + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0  # exact int32 -> f32
     t = row_t * tl.load(ks_ptr + start_n // BLOCK_N)
     key_ok = (start_n + offs_key) < NK
     if BIAS_MODE == 0:
-        x = s * t[:, None]
+        # mul_rn: x is rounded on its own, as in the reference; a plain multiply may be
+        # contracted with the next subtraction (x - m) into one FMA.
+        x = tl.extra.cuda.libdevice.mul_rn(s, t[:, None])
     else:
         if BIAS_MODE == 1:  # the same bias row for every query (key padding)
             if MASKED:
@@ -202,22 +207,16 @@ def _update(
                        propagate_nan=tl.PropagateNan.ALL)
     # Rows still fully masked keep m = -inf and alpha = 1; NaN rows stay NaN.
     alpha = tl.where(m_new == m_i, 1.0, tl.math.exp2(m_i - m_new))
-    p, l_tile = _probability(x, m_new, P_MODE, BLOCK_M, BLOCK_N, ROWSUM_MMA)
+    p, l_tile = _probability(x, m_new, P_MODE, BLOCK_M, BLOCK_N)
     if PERM_P:
         p = _unpermute_p(p, BLOCK_M, BLOCK_N)
-    if ROWSUM_MMA:
-        # P.1 on the tensor cores: every column of the product is the row sum.
-        ones = tl.full((BLOCK_N, 16), 1.0, tl.float32).to(tl.float8e4nv)
-        l_tile = tl.sum(tl.dot(p, ones), 1) * 0.0625
     l_i = l_i * alpha + l_tile
-    if COND_RESCALE:
-        # With an integer running max most tiles leave every row's m unchanged:
-        # skip the rescale then (alpha == 1 everywhere makes it an identity).
-        if tl.max(tl.where(alpha != 1.0, 1, 0), 0) > 0:
-            acc = acc * alpha[:, None]
+    if PV_SPLIT:
+        # Two-level accumulation: the fp8 wgmma accumulates this tile only (it keeps
+        # ~14 mantissa bits), float32 FFMAs carry the running sum.
+        acc = acc * alpha[:, None] + tl.dot(p, tl.trans(v))
     else:
-        acc = acc * alpha[:, None]
-    acc = tl.dot(p, tl.trans(v), acc)
+        acc = tl.dot(p, tl.trans(v), acc * alpha[:, None])
     return acc, l_i, m_new
 
 
@@ -226,7 +225,7 @@ def _attend(
     acc, l_i, m_i, q, row_t, K, VT, k_ptrs, v_ptrs, b_ptrs, ks_ptr, b, hk,
     offs_m, offs_key, start, stop, NK, stride_kn, stride_vn, stride_bn,
     P_MODE: tl.constexpr, CAUSAL: tl.constexpr, BIAS_MODE: tl.constexpr, MASKED: tl.constexpr,
-    USE_TMA: tl.constexpr, PERM_P: tl.constexpr, COND_RESCALE: tl.constexpr, ROWSUM_MMA: tl.constexpr,
+    USE_TMA: tl.constexpr, PERM_P: tl.constexpr, PV_SPLIT: tl.constexpr, CVT_I2F: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Key tiles [start, stop): MASKED=False for tiles wholly inside the sequence and
@@ -236,8 +235,8 @@ def _attend(
         v = _load_v(VT, v_ptrs, b, hk, start_n, NK, stride_vn, USE_TMA, MASKED, HEAD_DIM, BLOCK_N)
         s = tl.dot(q, k, out_dtype=tl.int32)
         acc, l_i, m_i = _update(acc, l_i, m_i, s, v, start_n, row_t, ks_ptr, b_ptrs, offs_m, offs_key,
-                                NK, stride_bn, P_MODE, CAUSAL, BIAS_MODE, MASKED, PERM_P, COND_RESCALE,
-                                ROWSUM_MMA, BLOCK_M, BLOCK_N)
+                                NK, stride_bn, P_MODE, CAUSAL, BIAS_MODE, MASKED, PERM_P, PV_SPLIT, CVT_I2F,
+                                BLOCK_M, BLOCK_N)
     return acc, l_i, m_i
 
 
@@ -263,7 +262,7 @@ def _fwd_kernel(
     H, GROUP, NQ, NK, N_BUCKET,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     P_MODE: tl.constexpr, CAUSAL: tl.constexpr, BIAS_MODE: tl.constexpr, USE_TMA: tl.constexpr,
-    PERM_P: tl.constexpr, COND_RESCALE: tl.constexpr, ROWSUM_MMA: tl.constexpr, LIFT: tl.constexpr,
+    PERM_P: tl.constexpr, PV_SPLIT: tl.constexpr, CVT_I2F: tl.constexpr, LIFT: tl.constexpr,
 ):
     # Causal: the last query tiles carry the most key tiles; launch them first.
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0) if CAUSAL else tl.program_id(0)
@@ -310,11 +309,11 @@ def _fwd_kernel(
         full_end = tl.minimum(full_end, ((pid_m * BLOCK_M + 1) // BLOCK_N) * BLOCK_N)
     acc, l_i, m_i = _attend(acc, l_i, m_i, q, row_t, K, VT, k_ptrs, v_ptrs, b_ptrs, ks_ptr, b, hk,
                             offs_m, offs_key, 0, full_end, NK, stride_kn, stride_vn, stride_bn,
-                            P_MODE, CAUSAL, BIAS_MODE, False, USE_TMA, PERM_P, COND_RESCALE, ROWSUM_MMA,
+                            P_MODE, CAUSAL, BIAS_MODE, False, USE_TMA, PERM_P, PV_SPLIT, CVT_I2F,
                             HEAD_DIM, BLOCK_M, BLOCK_N)
     acc, l_i, m_i = _attend(acc, l_i, m_i, q, row_t, K, VT, k_ptrs, v_ptrs, b_ptrs, ks_ptr, b, hk,
                             offs_m, offs_key, full_end, hi, NK, stride_kn, stride_vn, stride_bn,
-                            P_MODE, CAUSAL, BIAS_MODE, True, USE_TMA, PERM_P, COND_RESCALE, ROWSUM_MMA,
+                            P_MODE, CAUSAL, BIAS_MODE, True, USE_TMA, PERM_P, PV_SPLIT, CVT_I2F,
                             HEAD_DIM, BLOCK_M, BLOCK_N)
 
     v_scale = tl.load(VS + b * stride_vsb + hk * stride_vsh)
@@ -332,15 +331,16 @@ def _fwd_kernel(
 # two warpgroups per program in lockstep (one program per SM); 64/4 with a register cap
 # fits 2-4 programs per SM, whose softmax and tensor-core phases interleave (Triton gives
 # no ping-pong within one program).  Measured in docs/perf-notes.md.
-CONFIGS = [(128, 8, 2, None), (128, 8, 3, None), (64, 4, 2, None), (64, 4, 2, 168), (64, 4, 3, 168), (64, 4, 2, 128)]
-# Measured best per (head dim, causal) on the H200 (docs/perf-notes.md); used unless a
-# config is passed or FP4ATTN_AUTOTUNE=1.
-_TUNED = {(128, False): (128, 8, 2, None), (128, True): (128, 8, 2, None),
-          (64, False): (128, 8, 2, None), (64, True): (128, 8, 2, None)}
+CONFIGS = [(128, 8, 2, None), (128, 8, 3, None), (64, 4, 2, None), (64, 4, 2, 168), (64, 4, 3, 168)]
+# Measured best on the H200 (docs/perf-notes.md); used unless a config is passed or
+# FP4ATTN_AUTOTUNE=1.  Causal D=128 favours the two-warpgroup tile from 16k keys on.
+_SMALL, _BIG, _D64 = (64, 4, 2, 168), (128, 8, 3, None), (64, 4, 3, 168)
 
 
-def tuned_config(head_dim: int, causal: bool):
-    return _TUNED[(head_dim, bool(causal))]
+def tuned_config(head_dim: int, causal: bool, n: int = 4096):
+    if head_dim == 64:
+        return _D64
+    return _BIG if causal and n >= 16384 else _SMALL
 
 
 def _n_bucket(n: int) -> int:
@@ -350,7 +350,7 @@ def _n_bucket(n: int) -> int:
 
 _tuned = triton.autotune(
     configs=[triton.Config({"BLOCK_M": bm}, num_warps=w, num_stages=s, maxnreg=r) for bm, w, s, r in CONFIGS],
-    key=["N_BUCKET", "HEAD_DIM", "P_MODE", "CAUSAL", "BIAS_MODE", "USE_TMA", "PERM_P", "COND_RESCALE", "ROWSUM_MMA"],
+    key=["N_BUCKET", "HEAD_DIM", "P_MODE", "CAUSAL", "BIAS_MODE", "USE_TMA", "PERM_P", "PV_SPLIT", "CVT_I2F"],
 )(_fwd_kernel)
 
 
@@ -378,8 +378,10 @@ def _descriptor(t: torch.Tensor, block_shape):
 # Gather K rows so that P needs no register shuffles before the P.V wgmma (see
 # _key_permutation); costs TMA for K (a permuted row gather is a pointer load).
 PERM_P = True
-# Variant switches measured in docs/perf-notes.md; the defaults are the measured best.
-OPTIONS = dict(COND_RESCALE=False, ROWSUM_MMA=False)
+# Switches measured in docs/perf-notes.md.  PV_SPLIT: per-tile P.V in a fresh wgmma
+# accumulator added in float32 (10x closer to the reference, same speed); CVT_I2F: the
+# INT8 scores converted by I2FP instead of a magic-number add (fewer instructions).
+OPTIONS = dict(PV_SPLIT=True, CVT_I2F=True)
 
 
 def attention_forward(q, k, v_t, q_scale, k_scale, v_scale, bias, causal, p_mode, out, lse,
@@ -428,7 +430,7 @@ def attention_forward(q, k, v_t, q_scale, k_scale, v_scale, bias, causal, p_mode
         grid = lambda META: (triton.cdiv(nq, META["BLOCK_M"]), b * h)  # noqa: E731
         _tuned[grid](*args, **meta)
         return
-    block_m, warps, stages, maxnreg = config or tuned_config(d, causal)
+    block_m, warps, stages, maxnreg = config or tuned_config(d, causal, max(nq, nk))
     assert F.KEY_TILE % block_m == 0
     extra = {"maxnreg": maxnreg} if maxnreg else {}
     _fwd_kernel[(triton.cdiv(nq, block_m), b * h)](*args, **meta, BLOCK_M=block_m, num_warps=warps,
