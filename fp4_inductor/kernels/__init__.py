@@ -53,8 +53,13 @@ def forward_kernel(q: torch.Tensor, p_mode: str):
 
 
 def backward_kernel(q: torch.Tensor, p_mode: str):
-    """The Triton sm_90 backward launcher, under the forward's conditions, else None."""
-    if not has_forward_kernel(q.device):
+    """The Triton sm_90 backward launcher, under the forward's conditions, else None.
+
+    Opt-in (``FP4ATTN_BWD_KERNEL=1``) until its GPU tests pass against the reference: its
+    last H200 run matched fp32 autograd within the format's error but not the reference
+    within the tests' bounds (FP8 tensor-core accumulation is not full float32).
+    """
+    if os.environ.get("FP4ATTN_BWD_KERNEL", "0") != "1" or not has_forward_kernel(q.device):
         return None
     if q.shape[-1] not in (64, 128) or p_mode not in ("direct", "exp", "fp4"):
         return None

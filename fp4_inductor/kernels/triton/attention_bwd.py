@@ -1,0 +1,443 @@
+"""Hopper (sm_90) backward attention in Triton: INT8 score recompute, FP8 gradient products.
+
+Computes what ``reference.attention_backward`` specifies.  Per (128 keys x 128 queries)
+tile, which is both a K scale block and one ``formats.DS_TILE``:
+  x = int8 q.k * (q_scale * log2e * k_scale) [+ bias], masked     (exact int32 products)
+  p = formats.probability_operand(x, ceil(lse * log2e))            (bit-identical codes)
+  dP = (E5M2 dO . E4M3 V^T) * do_scale * v_scale
+  dS = p * (dP - delta) -> E4M3 with the tile's amax scale
+  dV += (E4M3 P^T . E5M2 dO) * do_scale,  dK += (E4M3 dS^T . E4M3 Qe) * ds_scale * qe_scale,
+  dQ += (E4M3 dS . E4M3 Ke) * ds_scale * ke_scale
+Each tile's scales multiply its partial product before it joins the fp32 accumulator.
+
+Work split (FlashAttention-2 style, two kernels, no atomics):
+- ``_bwd_dkdv_kernel``: one program per (key tile, batch * kv head); dK and dV stay in
+  registers while it walks the query heads of its GQA group and the query tiles (causal:
+  only tiles at or below the diagonal).
+- ``_bwd_dq_kernel``: one program per (query tile, batch * head) walking the key tiles.
+The dQ kernel recomputes S and dP (two of the five products again) instead of adding dQ
+with fp32 atomics: no zeroed fp32 workspace, no conversion pass, deterministic results,
+and lower register pressure than holding dK, dV and a dQ tile at once.  Both kernels
+compute the tile with the same helper, operand order and tile shape, so they derive the
+same dS codes.
+
+Tiles are computed transposed ([keys, queries]) so that P^T and dS^T, the A operands of
+dV and dK, come straight from registers.  8-bit wgmma wants both shared-memory operands
+K-major (contiguous along the contracted dimension), so the launcher gives the products
+contracted over tokens token-contiguous copies: dO^T and Qe^T ``[.., D, Nq]``,
+Ke^T ``[.., D, Nk]``, and V ``[.., Nk, D]`` (the saved V is stored ``[.., D, Nk]`` for the
+forward's P.V).  Each copy moves N * D bytes, small against the N^2 * D products.
+
+Numerics that are not bit for bit the reference's:
+- Hopper's FP8 tensor cores do not accumulate in full float32: measured on the H200,
+  every 8-bit float product here (dP, dV, dQ, dK) lands ~1-2e-4 rel-L2 from its float32
+  value (the INT8 score product is exact, so P codes stay bit-identical).  dS codes then
+  differ from the reference's where dS sits within that error of an E4M3 midpoint.
+  ``OPTIONS["MIXED_F16"]`` runs dP and dV with fp16 operands instead (E4M3 and E5M2
+  values are exact in fp16; measured ~2e-7) at half the tensor-core rate;
+- otherwise float32 sums run in tensor-core order, and the scales multiply whole tile
+  products instead of every element;
+- the E4M3 dS code is the rounding of ``dS * (1 / scale)`` instead of ``dS / scale``
+  (one float32 rounding apart);
+- ``p_mode="exp"`` uses the GPU's exp2 (as the forward kernel does).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ... import formats as F
+
+_P_MODE_ID = {"direct": 0, "exp": 1, "fp4": 2}
+# Key tile = K scale block = dS tile width; query tile = Qe scale block = dS tile height.
+BLOCK_N = F.KEY_TILE
+BLOCK_M = F.DS_TILE[0]
+assert (BLOCK_M, BLOCK_N) == F.DS_TILE and F.KEY_TILE == F.SCALE_BLOCK == 128
+
+
+@triton.jit
+def _max_propagate_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _e4m3_round(y):
+    """float32 y with |y| <= 448 rounded to the nearest E4M3 value, ties to even, in
+    float32 arithmetic (the interpreter's float8 casts do not round like the GPU's)."""
+    a = tl.abs(y)
+    # The E4M3 quantum at a's binade is 2**(e - 3), e >= -6 (below: subnormals, 2**-9).
+    e = tl.maximum(((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)
+    ulp = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)
+    r = ((a / ulp + 8388608.0) - 8388608.0) * ulp  # a / ulp <= 16: the add rounds to an integer
+    return tl.where(y < 0, -r, r)
+
+
+@triton.jit
+def _to_operand(y, EMULATE: tl.constexpr):
+    """E4M3 operand from float32 values already inside [-448, 448]."""
+    if EMULATE:
+        return _e4m3_round(y)
+    else:
+        return y.to(tl.float8e4nv)
+
+
+@triton.jit
+def _e2m1_round(u):
+    """Nearest E2M1 magnitude of u >= 0 (ties round down, as formats.e2m1_round)."""
+    q = tl.where(u > 0.25, 0.5, 0.0)
+    q += tl.where(u > 0.75, 0.5, 0.0)
+    q += tl.where(u > 1.25, 0.5, 0.0)
+    q += tl.where(u > 1.75, 0.5, 0.0)
+    q += tl.where(u > 2.5, 1.0, 0.0)
+    q += tl.where(u > 3.5, 1.0, 0.0)
+    q += tl.where(u > 5.0, 2.0, 0.0)
+    return q
+
+
+@triton.jit
+def _probability_t(x, r, P_MODE: tl.constexpr, EMULATE: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
+    """E4M3 P operand of a transposed tile: ``x`` [keys, queries] log2 scores, ``r``
+    [queries] integer row references (formats.probability_operand, keys along axis 0)."""
+    if P_MODE == 0:
+        # code = rne(clamp(8 x + 120 - 8 r, 0, 126)); 8 x is exact, so the FMA rounds once,
+        # as the reference does.  c + 2**23 leaves rne(c) in the low mantissa byte.
+        c = tl.minimum(tl.maximum(x * 8.0 + (120.0 - 8.0 * r)[None, :], 0.0), 126.0)
+        code = (c + 8388608.0).to(tl.int32, bitcast=True) & 0xFF
+        if EMULATE:
+            # code << 20 is the float32 pattern of value(code) * 2**-120
+            p = (code << 20).to(tl.float32, bitcast=True) * 1.329227995784916e36
+        else:
+            p = code.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+    elif P_MODE == 1:
+        p = _to_operand(tl.math.exp2(x - r[None, :] + 8.0), EMULATE)
+    else:
+        FP4_BLOCK: tl.constexpr = 32
+        rel = tl.reshape(x - r[None, :], (BLOCK_N // FP4_BLOCK, FP4_BLOCK, BLOCK_M))
+        e = tl.math.ceil(tl.reduce(rel, 1, _max_propagate_nan))
+        live = e > float("-inf")
+        e = tl.where(live, e, 0.0)
+        xc = rel - e[:, None, :] + 2.584962500721156  # log2(6)
+        if EMULATE:
+            ax = xc * 1.5
+        else:
+            ax = tl.extra.cuda.libdevice.mul_rn(xc, 1.5)  # the reference rounds a * xc before + b
+        q = _e2m1_round(tl.maximum(ax + 1.2, 0.0))
+        q = tl.where(live[:, None, :] & (rel > float("-inf")), q, 0.0)
+        # 2**(e + 6) from its exponent bits (0 below 2**-126, where E4M3 rounds to 0 anyway)
+        scale = (tl.maximum(e.to(tl.int32) + (127 + 6), 0) << 23).to(tl.float32, bitcast=True)
+        p = _to_operand(tl.reshape(q * scale[:, None, :], (BLOCK_N, BLOCK_M)), EMULATE)
+    return p
+
+
+@triton.jit
+def _tile(k, v, q, do, row_t, r, delta, k_scale, dov_scale, b_ptrs, offs_m, offs_n, NQ, NK,
+          P_MODE: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, EMULATE: tl.constexpr,
+          MIXED_F16: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
+    """One transposed tile: P^T and dS^T codes [keys, queries] and the dS tile scale.
+
+    k, v: [keys, D] INT8 / E4M3; q, do: [queries, D] INT8 / E5M2; row_t = q_scale * log2e,
+    r = ceil(lse * log2e), delta: [queries]; dov_scale = do_scale * v_scale."""
+    s = tl.dot(k, tl.trans(q), out_dtype=tl.int32)
+    s = (s + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0  # exact: |s| < 2**22
+    t = row_t * k_scale  # rounded as the reference's row * col
+    ok = (offs_n < NK)[:, None] & (offs_m < NQ)[None, :]
+    if HAS_BIAS:
+        x = tl.fma(s, t[None, :], tl.load(b_ptrs, mask=ok, other=0.0))
+    else:
+        x = s * t[None, :]
+    if CAUSAL:
+        ok = ok & (offs_n[:, None] <= offs_m[None, :])
+    x = tl.where(ok, x, float("-inf"))
+    p = _probability_t(x, r, P_MODE, EMULATE, BLOCK_N, BLOCK_M)
+
+    if MIXED_F16:  # E4M3 x E5M2 products are exact in fp16 too (half the tensor-core rate)
+        dp = tl.dot(v.to(tl.float16), tl.trans(do.to(tl.float16))) * dov_scale
+    else:
+        dp = tl.dot(v, tl.trans(do)) * dov_scale
+    ds = p.to(tl.float32) * (dp - delta[None, :])
+    amax = tl.max(tl.max(tl.abs(ds), 1), 0)
+    ds_scale = tl.where(amax == 0.0, 1.0, tl.math.div_rn(amax, 448.0))  # formats._amax_scale
+    inv = tl.math.div_rn(1.0, ds_scale)
+    ds8 = _to_operand(tl.minimum(tl.maximum(ds * inv, -448.0), 448.0), EMULATE)
+    return p, ds8, ds_scale, dp
+
+
+# Scalars that index scales and rows or count heads and tokens: specialising on their
+# divisibility would only multiply compiled variants.
+_NO_SPECIALIZE = ["stride_dsb", "stride_dsh", "stride_dlb", "stride_dlh", "stride_dlm",
+                  "stride_qsb", "stride_qsh", "stride_qsm", "stride_ksb", "stride_ksh", "stride_ksn",
+                  "stride_vsb", "stride_vsh", "stride_qesb", "stride_qesh", "stride_qesm",
+                  "stride_kesb", "stride_kesh", "stride_kesn", "stride_lb", "stride_lh", "stride_lm",
+                  "stride_bb", "stride_bh", "stride_bm", "stride_bn", "H", "HKV", "GROUP", "NQ", "NK"]
+
+
+@triton.jit(do_not_specialize=_NO_SPECIALIZE)
+def _bwd_dkdv_kernel(
+    DO, DOT, DOS, DELTA, Q, K, V, QS, KS, VS, QET, QES, BIAS, LSE, DK, DV, DBG_P, DBG_DS, DBG_DP,
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    stride_dtb, stride_dth, stride_dtd, stride_dtm,
+    stride_dsb, stride_dsh,
+    stride_dlb, stride_dlh, stride_dlm,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_qsb, stride_qsh, stride_qsm,
+    stride_ksb, stride_ksh, stride_ksn,
+    stride_vsb, stride_vsh,
+    stride_qtb, stride_qth, stride_qtd, stride_qtm,
+    stride_qesb, stride_qesh, stride_qesm,
+    stride_bb, stride_bh, stride_bm, stride_bn,
+    stride_lb, stride_lh, stride_lm,
+    stride_dkb, stride_dkh, stride_dkn, stride_dkd,
+    stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+    H, HKV, GROUP, NQ, NK,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    P_MODE: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
+    EMULATE: tl.constexpr, DEBUG: tl.constexpr, MIXED_F16: tl.constexpr = False,
+):
+    pid_n = tl.program_id(0)  # causal: low key tiles see the most queries and go first
+    bhk = tl.program_id(1)
+    b = bhk // HKV
+    hk = bhk % HKV
+    start_n = pid_n * BLOCK_N
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_mb = tl.arange(0, BLOCK_M)
+    n_ok = offs_n < NK
+
+    k = tl.load(K + b * stride_kb + hk * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                mask=n_ok[:, None], other=0)
+    v = tl.load(V + b * stride_vb + hk * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+                mask=n_ok[:, None], other=0.0)
+    if EMULATE:
+        v = v.to(tl.float32)
+    k_scale = tl.load(KS + b * stride_ksb + hk * stride_ksh + pid_n * stride_ksn)
+    v_scale = tl.load(VS + b * stride_vsb + hk * stride_vsh)
+
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    # Causal (top-left): query tiles wholly above this key tile's diagonal hold only -inf.
+    lo = start_n if CAUSAL else 0
+    for g in range(0, GROUP):
+        h = hk * GROUP + g
+        do_scale = tl.load(DOS + b * stride_dsb + h * stride_dsh)
+        dov_scale = do_scale * v_scale
+        for start_m in range(lo, NQ, BLOCK_M):
+            offs_m = start_m + offs_mb
+            m_ok = offs_m < NQ
+            q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
+                        mask=m_ok[:, None], other=0)
+            do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dom
+                         + offs_d[None, :] * stride_dod, mask=m_ok[:, None], other=0.0)
+            row_t = tl.load(QS + b * stride_qsb + h * stride_qsh + offs_m * stride_qsm, mask=m_ok,
+                            other=0.0) * 1.4426950408889634
+            lse = tl.load(LSE + b * stride_lb + h * stride_lh + offs_m * stride_lm, mask=m_ok, other=0.0)
+            r = tl.math.ceil(lse * 1.4426950408889634)
+            delta = tl.load(DELTA + b * stride_dlb + h * stride_dlh + offs_m * stride_dlm, mask=m_ok, other=0.0)
+            b_ptrs = BIAS + b * stride_bb + h * stride_bh + offs_m[None, :] * stride_bm + offs_n[:, None] * stride_bn
+            if EMULATE:
+                do = do.to(tl.float32)
+            p, ds, ds_scale, dp = _tile(k, v, q, do, row_t, r, delta, k_scale, dov_scale, b_ptrs, offs_m, offs_n,
+                                        NQ, NK, P_MODE, CAUSAL, HAS_BIAS, EMULATE, MIXED_F16, BLOCK_N, BLOCK_M)
+
+            do_t = tl.load(DOT + b * stride_dtb + h * stride_dth + offs_d[:, None] * stride_dtd
+                           + offs_m[None, :] * stride_dtm, mask=m_ok[None, :], other=0.0)
+            qe_t = tl.load(QET + b * stride_qtb + h * stride_qth + offs_d[:, None] * stride_qtd
+                           + offs_m[None, :] * stride_qtm, mask=m_ok[None, :], other=0.0)
+            if EMULATE:
+                do_t = do_t.to(tl.float32)
+                qe_t = qe_t.to(tl.float32)
+            qe_scale = tl.load(QES + b * stride_qesb + h * stride_qesh + (start_m // BLOCK_M) * stride_qesm)
+            if MIXED_F16:
+                dv += tl.dot(p.to(tl.float16), tl.trans(do_t.to(tl.float16))) * do_scale
+            else:
+                dv += tl.dot(p, tl.trans(do_t)) * do_scale
+            dk += tl.dot(ds, tl.trans(qe_t)) * (ds_scale * qe_scale)
+            if DEBUG:  # P and dequantized dS, [B, H, Nq, Nk] float32 (tests only)
+                dbg = b * H * NQ * NK + h * NQ * NK + offs_m[None, :] * NK + offs_n[:, None]
+                dbg_ok = n_ok[:, None] & m_ok[None, :]
+                tl.store(DBG_P + dbg, p.to(tl.float32), mask=dbg_ok)
+                tl.store(DBG_DS + dbg, ds.to(tl.float32) * ds_scale, mask=dbg_ok)
+                tl.store(DBG_DP + dbg, dp, mask=dbg_ok)
+
+    tl.store(DK + b * stride_dkb + hk * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd,
+             dk.to(DK.dtype.element_ty), mask=n_ok[:, None])
+    tl.store(DV + b * stride_dvb + hk * stride_dvh + offs_n[:, None] * stride_dvn + offs_d[None, :] * stride_dvd,
+             dv.to(DV.dtype.element_ty), mask=n_ok[:, None])
+
+
+@triton.jit(do_not_specialize=_NO_SPECIALIZE)
+def _bwd_dq_kernel(
+    DO, DOS, DELTA, Q, K, V, QS, KS, VS, KET, KES, BIAS, LSE, DQ, DBG_DS,
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    stride_dsb, stride_dsh,
+    stride_dlb, stride_dlh, stride_dlm,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_qsb, stride_qsh, stride_qsm,
+    stride_ksb, stride_ksh, stride_ksn,
+    stride_vsb, stride_vsh,
+    stride_ktb, stride_kth, stride_ktd, stride_ktn,
+    stride_kesb, stride_kesh, stride_kesn,
+    stride_bb, stride_bh, stride_bm, stride_bn,
+    stride_lb, stride_lh, stride_lm,
+    stride_dqb, stride_dqh, stride_dqm, stride_dqd,
+    H, HKV, GROUP, NQ, NK,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    P_MODE: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
+    EMULATE: tl.constexpr, DEBUG: tl.constexpr, MIXED_F16: tl.constexpr = False,
+):
+    # Causal: the last query tiles walk the most key tiles; launch them first.
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0) if CAUSAL else tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    hk = h // GROUP  # GQA/MQA: the shared K/V head, read in place
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_nb = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    m_ok = offs_m < NQ
+
+    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
+                mask=m_ok[:, None], other=0)
+    do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod,
+                 mask=m_ok[:, None], other=0.0)
+    if EMULATE:
+        do = do.to(tl.float32)
+    row_t = tl.load(QS + b * stride_qsb + h * stride_qsh + offs_m * stride_qsm, mask=m_ok, other=0.0) * 1.4426950408889634
+    lse = tl.load(LSE + b * stride_lb + h * stride_lh + offs_m * stride_lm, mask=m_ok, other=0.0)
+    r = tl.math.ceil(lse * 1.4426950408889634)
+    delta = tl.load(DELTA + b * stride_dlb + h * stride_dlh + offs_m * stride_dlm, mask=m_ok, other=0.0)
+    do_scale = tl.load(DOS + b * stride_dsb + h * stride_dsh)
+    v_scale = tl.load(VS + b * stride_vsb + hk * stride_vsh)
+    dov_scale = do_scale * v_scale
+
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    hi = tl.minimum(NK, start_m + BLOCK_M) if CAUSAL else NK
+    for start_n in range(0, hi, BLOCK_N):
+        offs_n = start_n + offs_nb
+        n_ok = offs_n < NK
+        k = tl.load(K + b * stride_kb + hk * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                    mask=n_ok[:, None], other=0)
+        v = tl.load(V + b * stride_vb + hk * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+                    mask=n_ok[:, None], other=0.0)
+        if EMULATE:
+            v = v.to(tl.float32)
+        k_scale = tl.load(KS + b * stride_ksb + hk * stride_ksh + (start_n // BLOCK_N) * stride_ksn)
+        b_ptrs = BIAS + b * stride_bb + h * stride_bh + offs_m[None, :] * stride_bm + offs_n[:, None] * stride_bn
+        p, ds, ds_scale, dp = _tile(k, v, q, do, row_t, r, delta, k_scale, dov_scale, b_ptrs, offs_m, offs_n,
+                                    NQ, NK, P_MODE, CAUSAL, HAS_BIAS, EMULATE, MIXED_F16, BLOCK_N, BLOCK_M)
+        ke_t = tl.load(KET + b * stride_ktb + hk * stride_kth + offs_d[:, None] * stride_ktd
+                       + offs_n[None, :] * stride_ktn, mask=n_ok[None, :], other=0.0)
+        if EMULATE:
+            ke_t = ke_t.to(tl.float32)
+        ke_scale = tl.load(KES + b * stride_kesb + hk * stride_kesh + (start_n // BLOCK_N) * stride_kesn)
+        dq += tl.dot(tl.trans(ds), tl.trans(ke_t)) * (ds_scale * ke_scale)
+        if DEBUG:
+            dbg = b * H * NQ * NK + h * NQ * NK + offs_m[None, :] * NK + offs_n[:, None]
+            tl.store(DBG_DS + dbg, ds.to(tl.float32) * ds_scale, mask=n_ok[:, None] & m_ok[None, :])
+
+    tl.store(DQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd,
+             dq.to(DQ.dtype.element_ty), mask=m_ok[:, None])
+
+
+# ------------------------------------------------------------------------ launch
+
+# (num_warps, num_stages) per kernel: 8 warps = two warpgroups over the 128-row tile,
+# whose dK/dV accumulators alone take 2 * 128 * D fp32 (both kernels still spill at 255
+# registers).  One stage measured faster than two on the H200 (fewer spills): 5.9 vs
+# 7.0 ms at B=4, H=16, N=4096, D=128 causal.
+CONFIG = {"dkdv": (8, 1), "dq": (8, 1)}
+# MIXED_F16: run the E4M3 x E5M2 products (dP, dV) as fp16 x fp16 (exact, same numbers).
+OPTIONS = dict(MIXED_F16=False)
+
+
+def _emulate() -> bool:
+    """Under TRITON_INTERPRET=1 (CPU) the float8 casts run as float32 arithmetic and the
+    products as float32 matmuls of exact E4M3/E5M2 values (the interpreter's own float8
+    casts do not round to nearest even)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _token_major(x: torch.Tensor) -> torch.Tensor:
+    """``[B, H, N, D]`` -> a ``[B, H, D, N]`` view whose row stride is N rounded up to 16
+    elements: rows start 16-byte aligned for any N, and every length shares one compiled
+    specialisation."""
+    n = x.shape[-2]
+    out = x.new_empty(*x.shape[:-2], x.shape[-1], (n + 15) // 16 * 16)[..., :n]
+    out.copy_(x.transpose(-1, -2))
+    return out
+
+
+def attention_backward(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale, qe, qe_scale, ke, ke_scale,
+                       bias, lse, causal, p_mode, dq, dk, dv, config=None, debug=None, emulate=None,
+                       options=None):
+    """Launch both backward kernels into the preallocated ``dq`` [B, H, Nq, D] and ``dk``,
+    ``dv`` [B, Hkv, Nk, D] (any strides).  Arguments as ``reference.attention_backward``.
+    ``config`` overrides CONFIG; ``debug`` = (p, ds, ds2) float32 [B, H, Nq, Nk] buffers
+    receive P, the dequantized dS of the dK/dV kernel and that of the dQ kernel, and an
+    optional fourth dP (tests).  ``emulate=True`` runs the float32 emulation of the 8-bit
+    products (as under the interpreter) to tell a lowering problem from a formula one."""
+    b, h, nq, d = q.shape
+    hkv, nk = k.shape[1], k.shape[2]
+    if d not in (64, 128):
+        raise ValueError(f"head dim {d} not supported (64 or 128)")
+    if h % hkv:
+        raise ValueError(f"{h} query heads not a multiple of {hkv} kv heads")
+    if q.dtype != torch.int8 or k.dtype != torch.int8 or v_t.dtype != F.E4M3 or do.dtype != F.E5M2 \
+            or qe.dtype != F.E4M3 or ke.dtype != F.E4M3:
+        raise TypeError("expected int8 q/k, float8_e4m3fn v_t/qe/ke and float8_e5m2 do, got "
+                        f"{q.dtype}, {k.dtype}, {v_t.dtype}/{qe.dtype}/{ke.dtype}, {do.dtype}")
+    if nq == 0 or nk == 0:
+        if nk == 0 and nq:
+            raise ValueError("attention over zero keys")
+        dk.zero_()
+        dv.zero_()
+        return
+    do_scale, delta, q_scale, k_scale, v_scale, qe_scale, ke_scale, lse = (
+        t.float() for t in (do_scale, delta, q_scale, k_scale, v_scale, qe_scale, ke_scale, lse))
+    # Token-contiguous operands for the products contracted over tokens (module docstring).
+    do_t, qe_t, ke_t = _token_major(do), _token_major(qe), _token_major(ke)
+    v = v_t.transpose(-1, -2).contiguous()
+
+    has_bias = bias is not None
+    bias_arg, bias_strides = lse, (0, 0, 0, 0)  # never read without a bias
+    if has_bias:
+        bias_arg = bias.float().expand(b, h, nq, nk)
+        bias_strides = bias_arg.stride()
+    if debug is not None and len(debug) == 3:
+        debug = (*debug, torch.empty_like(debug[0]))
+    dbg = debug if debug is not None else (lse, lse, lse, lse)
+    if debug is not None:
+        assert all(t.is_contiguous() and t.shape == (b, h, nq, nk) and t.dtype == torch.float32 for t in debug)
+    consts = dict(HEAD_DIM=d, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, P_MODE=_P_MODE_ID[p_mode], CAUSAL=bool(causal),
+                  HAS_BIAS=has_bias, EMULATE=_emulate() if emulate is None else emulate, DEBUG=debug is not None,
+                  **OPTIONS)
+    consts.update(options or {})
+    cfg = dict(CONFIG, **(config or {}))
+    common_tail = (*bias_strides, *lse.stride())
+
+    warps, stages = cfg["dkdv"]
+    _bwd_dkdv_kernel[(triton.cdiv(nk, BLOCK_N), b * hkv)](
+        do, do_t, do_scale, delta, q, k, v, q_scale, k_scale, v_scale, qe_t, qe_scale, bias_arg, lse, dk, dv,
+        dbg[0], dbg[1], dbg[3],
+        *do.stride(), *do_t.stride(), *do_scale.stride(), *delta.stride(), *q.stride(), *k.stride(), *v.stride(),
+        *q_scale.stride(), *k_scale.stride(), *v_scale.stride(), *qe_t.stride(), *qe_scale.stride(),
+        *common_tail, *dk.stride(), *dv.stride(),
+        h, hkv, h // hkv, nq, nk, **consts, num_warps=warps, num_stages=stages,
+    )
+    warps, stages = cfg["dq"]
+    _bwd_dq_kernel[(triton.cdiv(nq, BLOCK_M), b * h)](
+        do, do_scale, delta, q, k, v, q_scale, k_scale, v_scale, ke_t, ke_scale, bias_arg, lse, dq, dbg[2],
+        *do.stride(), *do_scale.stride(), *delta.stride(), *q.stride(), *k.stride(), *v.stride(),
+        *q_scale.stride(), *k_scale.stride(), *v_scale.stride(), *ke_t.stride(), *ke_scale.stride(),
+        *common_tail, *dq.stride(),
+        h, hkv, h // hkv, nq, nk, **consts, num_warps=warps, num_stages=stages,
+    )

@@ -1,0 +1,271 @@
+"""The Triton sm_90 backward kernels against ``reference.attention_backward``.
+
+Operands come from the real pipeline (reference forward for O and LSE, then
+``formats.quantize_do``, ``delta`` and ``formats.backward_operands``), built once on the
+CPU; the reference runs on the CPU.  The kernels dump (test-only ``debug`` buffers) the P
+operand and the dequantized dS they fed to the tensor cores, which lets the checks be
+exact where exactness is defined and tight everywhere else.
+
+Hopper's FP8 tensor cores do not accumulate in full float32: on the H200 an
+E4M3 x E5M2 dP tile (K = 64) came out ~1e-4 of max |dP| off the float32 sum, and every
+8-bit float product (dP, dV, dQ, dK) is ~1-2e-4 rel-L2 off its float32 value, while the
+same products with fp16 operands (exact for these values) are ~2e-7.  The bounds below
+are set from those measurements; rule 1 stays exact because scores are INT8 products.
+
+1. P codes are bit-identical to the reference's (integer scores, same formula).  One
+   flipped code fails.  "exp" P uses the GPU's exp2 (MUFU, ~2 ulp) against the CPU's, so
+   a value on an E4M3 rounding boundary may flip: at most one code in 10^4, one step.
+2. dS codes equal the reference's wherever the reference's unrounded dS/scale is farther
+   from an E4M3 rounding midpoint than the dP accumulation error (bounded here by 1e-3
+   of sum |dO| |V|, ~8x the measured error); any other difference fails, so a single
+   wrongly computed code fails.  At most 1 % of codes may sit in that band.
+3. dQ, dK, dV equal the products of the dumped codes with the reference's operands:
+   rel-L2 <= 2e-3, max |err| <= 2e-2 max |ref| (measured ~2e-4; a wrong tile scale, a
+   missed or doubled tile, or a wrong GQA head is O(1e-2) rel-L2 or more).
+4. Against the reference gradients themselves: rel-L2 <= 1e-2 (measured up to 3e-3:
+   the accumulation error moves dS codes that sit near midpoints).
+Outputs and dumps are poisoned with NaN first; inputs are fresh random data.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+
+from fp4_inductor import formats as F
+from fp4_inductor import reference as R
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() != (9, 0),
+                       reason="the Triton backward kernel targets sm_90 (Hopper)"),
+]
+
+
+def _launcher():
+    from fp4_inductor.kernels.triton import attention_bwd
+
+    return attention_bwd.attention_backward
+
+
+def _operands(b, h, hkv, nq, nk, d, p_mode, causal, bias_kind=None):
+    """Backward operands on the CPU, produced as attention.py produces them."""
+    q = torch.randn(b, h, nq, d)
+    k = torch.randn(b, hkv, nk, d)
+    v = torch.randn(b, hkv, nk, d)
+    dout = torch.randn(b, h, nq, d)
+    q8, qs = F.quantize_q(q, 1.0 / math.sqrt(d))
+    k8, ks = F.quantize_k(k)
+    vt, vs = F.quantize_v(v, "fp4" if p_mode == "fp4" else "fp8")
+    bias = None
+    if bias_kind == "keypad":  # key padding as attention.py lowers a boolean mask
+        keep = torch.rand(b, 1, 1, nk) > 0.3
+        keep[..., 0] = True
+        bias = torch.where(keep, 0.0, -(2.0**20))
+    elif bias_kind == "dense":
+        bias = torch.randn(b, h, nq, nk) * 2
+    out, lse = R.attention_forward(q8, k8, vt, qs, ks, vs, bias, causal, p_mode, torch.float32)
+    do8, dos = F.quantize_do(dout, lse, p_mode)
+    delta = (do8.float() * dos[..., None, None] * out).sum(dim=-1)
+    qe, qes, ke, kes = F.backward_operands(q8, qs, k8, ks)
+    return (do8, dos, delta, q8, k8, vt, qs, ks, vs, qe, qes, ke, kes, bias, lse)
+
+
+def _run(ops, causal, p_mode, out_dtype=torch.float32, debug=True):
+    b, h, nq, d = ops[3].shape
+    hkv, nk = ops[4].shape[1], ops[4].shape[2]
+    # Allocated as the op does ([B, N, H, D] storage), poisoned.
+    dq = torch.full((b, nq, h, d), float("nan"), dtype=out_dtype, device="cuda").transpose(1, 2)
+    dk = torch.full((b, nk, hkv, d), float("nan"), dtype=out_dtype, device="cuda").transpose(1, 2)
+    dv = torch.full((b, nk, hkv, d), float("nan"), dtype=out_dtype, device="cuda").transpose(1, 2)
+    dbg = tuple(torch.full((b, h, nq, nk), float("nan"), device="cuda") for _ in range(3)) if debug else None
+    dev = [None if t is None else t.cuda() for t in ops]
+    _launcher()(*dev, causal, p_mode, dq, dk, dv, debug=dbg)
+    torch.cuda.synchronize()
+    # Tiles a kernel skips (wholly above the causal diagonal) hold P = dS = 0.
+    dumps = tuple(t.nan_to_num(nan=0.0).cpu() for t in dbg) if debug else None
+    return (dq.cpu(), dk.cpu(), dv.cpu()), dumps
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def _tiles(x):
+    """[..., Nq, Nk] -> [..., tq, tk, 128, 128] zero-padded DS tiles."""
+    tm, tn = F.DS_TILE
+    nq, nk = x.shape[-2:]
+    x = torch.nn.functional.pad(x, (0, (-nk) % tn, 0, (-nq) % tm))
+    return x.unflatten(-1, (-1, tn)).unflatten(-3, (-1, tm)).transpose(-3, -2)
+
+
+def _e4m3(x):
+    return x.clamp(-F.E4M3_MAX, F.E4M3_MAX).to(F.E4M3).float()
+
+
+def _check_ds_codes(ds_kernel, ds_unrounded, noise):
+    """Rule 2.  ``noise``: elementwise bound on |kernel dS - reference dS| before rounding."""
+    t_k, t_u, t_n = _tiles(ds_kernel), _tiles(ds_unrounded), _tiles(noise)
+    a_u, a_k = (t.abs().amax(dim=(-2, -1), keepdim=True) for t in (t_u, t_k))
+    assert ((a_k - a_u).abs() <= 1e-4 * a_u + t_n.amax(dim=(-2, -1), keepdim=True)).all(), "dS tile amax off"
+    s_u, s_k = F._amax_scale(a_u, F.E4M3_MAX), F._amax_scale(a_k, F.E4M3_MAX)  # the amax code is 448
+    codes_k = _e4m3(t_k / s_k)  # snaps away the rounding of code * scale in the dump
+    # The kernel rounded its own dS (within ``noise`` of the reference's) over its own scale.
+    c = t_u / s_k
+    tol = t_n / s_k + 1e-5 * c.abs()
+    ref = _e4m3(t_u / s_u)
+    lo, hi = _e4m3(c - tol), _e4m3(c + tol)
+    differ = codes_k != ref
+    explained = (codes_k >= lo) & (codes_k <= hi)  # rounding is monotone
+    bad = differ & ~explained
+    assert not bad.any(), f"{int(bad.sum())} dS codes differ from the reference away from a rounding midpoint"
+    assert differ.sum() <= 5 + 1e-2 * differ.numel(), f"{int(differ.sum())} dS codes on rounding midpoints"
+
+
+def _check(ops, causal, p_mode, grads, dumps):
+    do8, dos, delta, q8, k8, vt, qs, ks, vs, qe, qes, ke, kes, bias, lse = ops
+    h, hkv = q8.shape[1], k8.shape[1]
+    for g in grads:
+        assert not g.isnan().any(), "unwritten or NaN gradient"
+    p_k, _, ds2_k = dumps
+
+    # 1. P codes
+    x = R.log2_scores(q8, k8, qs, ks, bias, causal, slice(0, k8.shape[-2]))
+    p_ref = R._probability(x, F.backward_reference(lse)[..., None], p_mode)
+    flips = p_k != p_ref
+    if p_mode == "exp":
+        assert flips.sum() <= 1e-4 * flips.numel(), f"{int(flips.sum())} P codes differ"
+        step = (p_k[flips] - p_ref[flips]).abs()
+        assert (step <= 0.15 * torch.maximum(p_k[flips], p_ref[flips]) + 2.0**-9).all(), "an exp P code moved by more than one step"
+    else:
+        assert not flips.any(), f"{int(flips.sum())} P codes differ from the reference"
+
+    # 2. dS codes of both kernels
+    do = do8.float() * dos[..., None, None]
+    v = R._heads(vt.transpose(-1, -2).float() * vs[..., None, None], h)
+    dp = do @ v.transpose(-1, -2)
+    ds_unrounded = p_ref * (dp - delta[..., None])
+    noise = p_ref * (1e-3 * (do.abs() @ v.abs().transpose(-1, -2)) + 1e-5 * delta.abs()[..., None])
+    # Only the dQ kernel's dump: the dK/dV kernel's dS dump disagrees with the codes its
+    # own dK product consumed on the GPU (open problem, see test_dq_and_dkdv_kernels_share_ds_codes);
+    # by construction both kernels compute the same codes, so dK is checked against these.
+    _check_ds_codes(ds2_k, ds_unrounded, noise)
+
+    # 3. gradients = products of what the kernels multiplied
+    kd = R._heads(F.dequantize_blockwise(ke, kes), h)
+    qd = F.dequantize_blockwise(qe, qes)
+    expect = (ds2_k @ kd, R._group_sum(ds2_k.transpose(-1, -2) @ qd, hkv),
+              R._group_sum(p_k.transpose(-1, -2) @ do, hkv))
+    for name, got, exp in zip("dq dk dv".split(), grads, expect):
+        rel = _rel(got, exp)
+        worst = ((got.double() - exp.double()).abs().max() / exp.abs().max().clamp_min(1e-30)).item()
+        assert rel <= 2e-3, f"{name}: rel-L2 {rel:.2e} against the products of the kernel's own codes"
+        assert worst <= 2e-2, f"{name}: max error {worst:.2e} of max |ref|"
+
+    # 4. the reference itself
+    # (dS that is zero up to rounding, e.g. one key, gives gradients made of that noise:
+    # the bound adds what the dS noise bound carries into each gradient.)
+    ref = R.attention_backward(*ops, causal, p_mode, torch.float32)
+    carried = (noise @ kd.abs(), R._group_sum(noise.transpose(-1, -2) @ qd.abs(), hkv), torch.zeros(()))
+    for name, got, r, c in zip("dq dk dv".split(), grads, ref, carried):
+        err = (got.double() - r.double()).norm().item()
+        assert err <= 1e-2 * r.double().norm().item() + c.double().norm().item(), \
+            f"{name}: rel-L2 {_rel(got, r):.2e} against the reference"
+
+
+# Lengths 1, 113, 203, 799, 1023 appear as Nq and Nk; Nq != Nk both ways, GQA (4:1, 2:1),
+# MQA, key-padding bias, D 64 and 128; crossed with every P mode, causal and not.
+SHAPES = [  # (B, H, Hkv, Nq, Nk, D, bias)
+    (2, 4, 4, 1, 1, 64, None),
+    (1, 8, 2, 113, 113, 128, "keypad"),
+    (1, 4, 1, 203, 799, 64, None),
+    (2, 4, 4, 799, 203, 128, "keypad"),
+    (1, 4, 2, 1023, 1023, 128, None),
+    (1, 2, 1, 113, 1023, 64, None),
+]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("p_mode", F.P_MODES)
+@pytest.mark.parametrize("shape", SHAPES,
+                         ids=lambda s: f"b{s[0]}h{s[1]}kv{s[2]}q{s[3]}k{s[4]}d{s[5]}{'-' + s[6] if s[6] else ''}")
+def test_matches_reference(shape, p_mode, causal):
+    b, h, hkv, nq, nk, d, bias_kind = shape
+    ops = _operands(b, h, hkv, nq, nk, d, p_mode, causal, bias_kind)
+    grads, dumps = _run(ops, causal, p_mode)
+    _check(ops, causal, p_mode, grads, dumps)
+
+
+@pytest.mark.parametrize("p_mode", F.P_MODES)
+def test_dense_bias(p_mode):
+    """A full [B, H, Nq, Nk] additive bias, causal on top."""
+    ops = _operands(1, 4, 2, 203, 799, 128, p_mode, True, "dense")
+    grads, dumps = _run(ops, True, p_mode)
+    _check(ops, True, p_mode, grads, dumps)
+
+
+@pytest.mark.xfail(strict=True, reason="open: on the H200 the dK/dV kernel's debug dump of dS disagrees with "
+                   "the dS its dK product consumed (dK itself matches the reference like dQ)")
+def test_dq_and_dkdv_kernels_share_ds_codes():
+    """The dQ kernel recomputes dS; it must reproduce the dK/dV kernel's codes exactly
+    (same helper, tile shape and operand order), or dQ and dK would describe two dS."""
+    ops = _operands(1, 4, 2, 1023, 1023, 128, "direct", True)
+    _, (p_k, ds_k, ds2_k) = _run(ops, True, "direct")
+    assert torch.equal(ds_k, ds2_k)
+
+
+def test_bf16_gradients_and_op_dispatch():
+    """torch.ops.fp4attn.bwd on sm_90 runs the kernel (no fallback warning), writes the
+    [B, N, H, D] storage, and its bf16 outputs are the float32 kernel results rounded."""
+    from fp4_inductor import kernels, ops as _ops  # noqa: F401  (registers the op)
+
+    ops = _operands(1, 4, 2, 203, 203, 128, "direct", True)
+    dev = [None if t is None else t.cuda() for t in ops]
+    assert kernels.backward_kernel(dev[3], "direct") is not None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        dq, dk, dv = torch.ops.fp4attn.bwd(*dev, True, "direct", torch.bfloat16)
+    assert dq.stride() == (203 * 4 * 128, 128, 4 * 128, 1)
+    assert dk.stride() == (203 * 2 * 128, 128, 2 * 128, 1)
+    full, _ = _run(ops, True, "direct", debug=False)
+    for got, f in zip((dq, dk, dv), full):
+        assert got.dtype == torch.bfloat16
+        eps = torch.finfo(torch.bfloat16).eps
+        assert ((got.float().cpu() - f).abs() <= eps * f.abs() + 1e-6 * f.abs().max()).all()
+
+
+@pytest.mark.parametrize("fmt,p_mode,max_rel_l2,min_cos", [
+    ("fp8", "direct", 0.11, 0.99),
+    ("fp8", "exp", 0.11, 0.99),
+    ("fp4", "fp4", 0.55, 0.8),
+])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_lowp_attention_gradients_end_to_end(fmt, p_mode, max_rel_l2, min_cos, causal):
+    """lowp_attention gradients (quantize + both kernels) against float32 SDPA autograd on
+    Gaussian inputs with GQA.  The CPU reference path measured rel-L2 0.06-0.08 for fp8
+    (direct and exp) and 0.39-0.44 for fp4 at this kind of shape; the kernel computes the
+    same numbers up to float32 rounding, so the bounds sit ~40 % above those."""
+    from fp4_inductor.attention import lowp_attention
+
+    b, h, hkv, n, d = 2, 8, 2, 1024, 128
+    q, k, v = (torch.randn(b, hh, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for hh in (h, hkv, hkv))
+    go = torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a kernel failure would warn and fall back
+        out = lowp_attention(q, k, v, is_causal=causal, fmt=fmt, p_mode=p_mode)
+        grads = torch.autograd.grad(out, (q, k, v), go)
+    qf, kf, vf = (t.detach().float().requires_grad_() for t in (q, k, v))
+    ref = torch.nn.functional.scaled_dot_product_attention(qf, kf, vf, is_causal=causal, enable_gqa=True)
+    ref_grads = torch.autograd.grad(ref, (qf, kf, vf), go.float())
+    for name, g, r in zip("dq dk dv".split(), grads, ref_grads):
+        assert g.dtype == torch.bfloat16 and g.shape == r.shape
+        rel = _rel(g, r)
+        cos = torch.nn.functional.cosine_similarity(g.double().flatten(), r.double().flatten(), dim=0).item()
+        print(f"{name}: rel-L2 {rel:.4f} cos {cos:.4f}")
+        assert rel <= max_rel_l2, f"{name}: rel-L2 {rel:.3f}"
+        assert cos >= min_cos, f"{name}: cosine {cos:.4f}"
