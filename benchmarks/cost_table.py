@@ -1,0 +1,52 @@
+"""Turn a forward benchmark JSON into the policy's cost table for that GPU.
+
+    python benchmarks/cost_table.py benchmarks/results/forward_h200.json
+
+Writes fp4_inductor/tables/<gpu>.json: TFLOP/s per path, head dim, causality and mode,
+at each measured N.  Low precision is charged with its quantization pass ("+quant" rows:
+the conservative case where Inductor finds no producer to fuse it into); BF16 is the
+faster of torch SDPA's cuDNN and flash backends, so the policy never assumes a slower
+fallback than the user would get.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+TABLES = Path(__file__).resolve().parent.parent / "fp4_inductor" / "tables"
+PATHS = {"fp8": ["ours-direct+quant"], "fp4": ["ours-fp4+quant"], "bf16": ["sdpa-cudnn-bf16", "sdpa-flash-bf16"]}
+# Fixed cost of the low-precision path's extra kernels (quantization of Q, K, V and K's
+# mean) at shapes too small to fill the GPU: about five launches of ~3 us.
+LAUNCH_US = 15.0
+
+
+def main(path: str) -> None:
+    doc = json.loads(Path(path).read_text())
+    rates: dict = defaultdict(lambda: defaultdict(dict))
+    for row in doc["results"]:
+        if row.get("status") != "ok":
+            continue
+        for name, methods in PATHS.items():
+            if row["method"] in methods:
+                key = f"d{row['d']}/{'causal' if row['causal'] else 'full'}/fwd"
+                best = rates[name][key].get(str(row["n"]), 0.0)
+                rates[name][key][str(row["n"])] = round(max(best, row["tflops"]), 1)
+    gpu = doc["env"]["device"]
+    table = {
+        "gpu": gpu,
+        "source": f"{Path(path).name} ({doc['env'].get('date', '')}, torch {doc['env'].get('torch', '')})",
+        "launch_us": LAUNCH_US,
+        "tflops": rates,
+    }
+    out = TABLES / (re.sub(r"[^a-z0-9]+", "_", gpu.lower()).strip("_") + ".json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+    print(out)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
