@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch.profiler import ProfilerActivity, profile
+
+from fp4_inductor import formats as F
+from fp4_inductor.attention import MASKED_LOG2
 
 
 def rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -36,3 +41,23 @@ def grads(fn, inputs, grad_out=None):
     out = fn(*inputs)
     out.backward(grad_out if grad_out is not None else torch.ones_like(out))
     return out.detach(), [t.grad.detach().clone() for t in inputs]
+
+
+def quantized_operands(b, h, hkv, nq, nk, d, p_mode, bias_kind=None, scale=1.0):
+    """Gaussian Q, K, V quantized as attention.py does (on the CPU), the forward op's
+    operands ``(q8, k8, v_t, q_scale, k_scale, v_scale)``, and an optional log2 bias:
+    ``"keypad"`` (a boolean key-padding mask as lowered) or ``"dense"`` (random)."""
+    q = torch.randn(b, h, nq, d) * scale
+    k = torch.randn(b, hkv, nk, d) * scale
+    v = torch.randn(b, hkv, nk, d)
+    q8, qs = F.quantize_q(q, 1.0 / math.sqrt(d))
+    k8, ks = F.quantize_k(k)
+    vt, vs = F.quantize_v(v, "fp4" if p_mode == "fp4" else "fp8")
+    bias = None
+    if bias_kind == "keypad":
+        keep = torch.rand(b, 1, 1, nk) > 0.3
+        keep[..., 0] = True
+        bias = torch.where(keep, 0.0, MASKED_LOG2)
+    elif bias_kind == "dense":
+        bias = torch.randn(b, h, nq, nk) * 2
+    return (q8, k8, vt, qs, ks, vs), bias

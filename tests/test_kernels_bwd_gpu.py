@@ -29,7 +29,6 @@ Outputs and dumps are poisoned with NaN first; inputs are fresh random data.
 
 from __future__ import annotations
 
-import math
 import warnings
 
 import pytest
@@ -37,6 +36,7 @@ import torch
 
 from fp4_inductor import formats as F
 from fp4_inductor import reference as R
+from helpers import quantized_operands
 
 pytestmark = [
     pytest.mark.gpu,
@@ -54,20 +54,8 @@ def _launcher():
 
 def _operands(b, h, hkv, nq, nk, d, p_mode, causal, bias_kind=None):
     """Backward operands on the CPU, produced as attention.py produces them."""
-    q = torch.randn(b, h, nq, d)
-    k = torch.randn(b, hkv, nk, d)
-    v = torch.randn(b, hkv, nk, d)
+    (q8, k8, vt, qs, ks, vs), bias = quantized_operands(b, h, hkv, nq, nk, d, p_mode, bias_kind)
     dout = torch.randn(b, h, nq, d)
-    q8, qs = F.quantize_q(q, 1.0 / math.sqrt(d))
-    k8, ks = F.quantize_k(k)
-    vt, vs = F.quantize_v(v, "fp4" if p_mode == "fp4" else "fp8")
-    bias = None
-    if bias_kind == "keypad":  # key padding as attention.py lowers a boolean mask
-        keep = torch.rand(b, 1, 1, nk) > 0.3
-        keep[..., 0] = True
-        bias = torch.where(keep, 0.0, -(2.0**20))
-    elif bias_kind == "dense":
-        bias = torch.randn(b, h, nq, nk) * 2
     out, lse = R.attention_forward(q8, k8, vt, qs, ks, vs, bias, causal, p_mode, torch.float32)
     do8, dos = F.quantize_do(dout, lse, p_mode)
     delta = (do8.float() * dos[..., None, None] * out).sum(dim=-1)

@@ -22,7 +22,6 @@ random data.
 
 from __future__ import annotations
 
-import math
 import warnings
 
 import pytest
@@ -30,6 +29,7 @@ import torch
 
 from fp4_inductor import formats as F
 from fp4_inductor import reference as R
+from helpers import quantized_operands
 
 pytestmark = [
     pytest.mark.gpu,
@@ -51,22 +51,7 @@ def _launcher():
     return attention_fwd.attention_forward
 
 
-def _inputs(b, h, hkv, nq, nk, d, p_mode, bias_kind=None, scale=1.0):
-    """Quantized Gaussian operands on the CPU (and an optional log2 bias)."""
-    q = torch.randn(b, h, nq, d) * scale
-    k = torch.randn(b, hkv, nk, d) * scale
-    v = torch.randn(b, hkv, nk, d)
-    q8, qs = F.quantize_q(q, 1.0 / math.sqrt(d))
-    k8, ks = F.quantize_k(k)
-    vt, vs = F.quantize_v(v, "fp4" if p_mode == "fp4" else "fp8")
-    bias = None
-    if bias_kind == "keypad":  # key padding as attention.py lowers a boolean mask
-        keep = torch.rand(b, 1, 1, nk) > 0.3
-        keep[..., 0] = True
-        bias = torch.where(keep, 0.0, -1e30)
-    elif bias_kind == "dense":
-        bias = torch.randn(b, h, nq, nk) * 2
-    return (q8, k8, vt, qs, ks, vs), bias
+_inputs = quantized_operands
 
 
 def _run_kernel(ops, bias, causal, p_mode, out_dtype=torch.float32, **kw):

@@ -2,7 +2,6 @@
 tuning cache's handling of bad files.  Synthetic tables; no GPU needed."""
 
 import json
-import warnings
 
 import pytest
 import torch

@@ -122,11 +122,6 @@ def rank(node) -> int | None:
     return v.dim() if isinstance(v, torch.Tensor) else None
 
 
-def only_user(node: fx.Node) -> fx.Node | None:
-    users = list(node.users)
-    return users[0] if len(users) == 1 else None
-
-
 def swaps_last_two(node: fx.Node) -> fx.Node | None:
     """The input of ``x.transpose(-2, -1)`` (any spelling, permute included), else None.
 

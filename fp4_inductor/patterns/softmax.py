@@ -16,7 +16,7 @@ import dataclasses
 import torch
 import torch.fx as fx
 
-from .common import Site, arg, constant_fill, kind, module_path, only_user, rank, swaps_last_two, value
+from .common import Site, arg, constant_fill, kind, module_path, rank, swaps_last_two, value
 
 # masked_fill / where fills at or below this are treated as "masked out".
 _MASK_FILL_MAX = -1e4

@@ -51,6 +51,7 @@ import triton
 import triton.language as tl
 
 from ... import formats as F
+from .common import e2m1_round
 
 _P_MODE_ID = {"direct": 0, "exp": 1, "fp4": 2}
 # Key tile = K scale block = dS tile width; query tile = Qe scale block = dS tile height.
@@ -86,19 +87,6 @@ def _to_operand(y, EMULATE: tl.constexpr):
 
 
 @triton.jit
-def _e2m1_round(u):
-    """Nearest E2M1 magnitude of u >= 0 (ties round down, as formats.e2m1_round)."""
-    q = tl.where(u > 0.25, 0.5, 0.0)
-    q += tl.where(u > 0.75, 0.5, 0.0)
-    q += tl.where(u > 1.25, 0.5, 0.0)
-    q += tl.where(u > 1.75, 0.5, 0.0)
-    q += tl.where(u > 2.5, 1.0, 0.0)
-    q += tl.where(u > 3.5, 1.0, 0.0)
-    q += tl.where(u > 5.0, 2.0, 0.0)
-    return q
-
-
-@triton.jit
 def _probability_t(x, r, P_MODE: tl.constexpr, EMULATE: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
     """E4M3 P operand of a transposed tile: ``x`` [keys, queries] log2 scores, ``r``
@@ -126,7 +114,7 @@ def _probability_t(x, r, P_MODE: tl.constexpr, EMULATE: tl.constexpr,
             ax = xc * 1.5
         else:
             ax = tl.extra.cuda.libdevice.mul_rn(xc, 1.5)  # the reference rounds a * xc before + b
-        q = _e2m1_round(tl.maximum(ax + 1.2, 0.0))
+        q = e2m1_round(tl.maximum(ax + 1.2, 0.0))
         q = tl.where(live[:, None, :] & (rel > float("-inf")), q, 0.0)
         # 2**(e + 6) from its exponent bits (0 below 2**-126, where E4M3 rounds to 0 anyway)
         scale = (tl.maximum(e.to(tl.int32) + (127 + 6), 0) << 23).to(tl.float32, bitcast=True)

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from ... import formats as F
+from .common import e2m1_round
 
 _P_MODE_ID = {"direct": 0, "exp": 1, "fp4": 2}
 BLOCK_N = F.KEY_TILE  # one K scale per key tile: the tile must be the scale block
@@ -30,19 +31,6 @@ assert F.KEY_TILE == F.SCALE_BLOCK == 128
 @triton.jit
 def _max_propagate_nan(a, b):
     return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
-
-
-@triton.jit
-def _e2m1_round(u):
-    """Nearest E2M1 magnitude of u >= 0 (ties round down, as formats.e2m1_round)."""
-    q = tl.where(u > 0.25, 0.5, 0.0)
-    q += tl.where(u > 0.75, 0.5, 0.0)
-    q += tl.where(u > 1.25, 0.5, 0.0)
-    q += tl.where(u > 1.75, 0.5, 0.0)
-    q += tl.where(u > 2.5, 1.0, 0.0)
-    q += tl.where(u > 3.5, 1.0, 0.0)
-    q += tl.where(u > 5.0, 2.0, 0.0)
-    return q
 
 
 @triton.jit
@@ -100,7 +88,7 @@ def _probability(x, m_new, P_MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N:
         xc = rel - e[:, :, None] + 2.584962500721156  # log2(6)
         # mul_rn: the reference rounds a*xc before adding b; keep ptxas from fusing.
         u = tl.maximum(tl.extra.cuda.libdevice.mul_rn(xc, 1.5) + 1.2, 0.0)
-        q = _e2m1_round(u)
+        q = e2m1_round(u)
         q = tl.where(live[:, :, None] & (rel > float("-inf")), q, 0.0)
         # 2**(e + 6) built from its exponent bits; below 2**-126 it is 0 (E4M3 rounds any
         # such value to 0 anyway).
