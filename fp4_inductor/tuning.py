@@ -114,6 +114,12 @@ class TuneResult:
     entry: dict
 
 
+def _gpu_name() -> str:
+    if not torch.cuda.is_available():
+        raise RuntimeError("fp4_inductor.tune() measures on a CUDA GPU; none is available")
+    return torch.cuda.get_device_name()
+
+
 def _median_ms(fn, rep_ms: int) -> float:
     from triton.testing import do_bench
 
@@ -157,12 +163,19 @@ def tune(model_or_fn, *args, fmt: str | None = None, min_cosine: float | None = 
     in BF16 and in low precision, keep low precision where it is faster and at least
     ``min_cosine`` accurate (cosine of the site's output vs BF16 on the real activations),
     and store the decisions for later compiles (``policy="auto"``)."""
-    if not torch.cuda.is_available():
-        raise RuntimeError("fp4_inductor.tune() measures on a CUDA GPU; none is available")
+    gpu = _gpu_name()
     options = config.current().replace(fmt=fmt, min_cosine=min_cosine, policy="always")
-    gpu = torch.cuda.get_device_name()
     measured: dict = {}
     results: list[TuneResult] = []
+
+    def probe_for(key: str):
+        # A closure, not graph arguments: FX copies dict arguments when it builds a node,
+        # so results written through one would land in the copy.
+        def probe(q, k, v, attn_mask=None, scale=None, is_causal=False, *, fmt, p_mode):
+            return _probe(q, k, v, attn_mask, scale, is_causal, fmt=fmt, p_mode=p_mode, key=key,
+                          results=measured, min_cosine=options.min_cosine, rep_ms=rep_ms)
+
+        return probe
 
     def probing_backend(gm, example_inputs):
         for site in find_sites(gm.graph):
@@ -170,9 +183,7 @@ def tune(model_or_fn, *args, fmt: str | None = None, min_cosine: float | None = 
                 continue
             key = site_key(site_shape(site), options.fmt)
             results.append(TuneResult(key, site.name, {}))
-            replace_site(gm.graph, site, options.fmt, options.p_mode, target=_probe,
-                         extra={"key": key, "results": measured, "min_cosine": options.min_cosine,
-                                "rep_ms": rep_ms})
+            replace_site(gm.graph, site, options.fmt, options.p_mode, target=probe_for(key))
         gm.recompile()
         return gm.forward
 

@@ -159,6 +159,37 @@ def test_tune_needs_a_gpu():
         fp4_inductor.tune(lambda x: x, torch.randn(2))
 
 
+def test_tune_records_each_site_on_real_activations(fake_gpu, monkeypatch):
+    """tune()'s plumbing on the CPU: the probe runs both paths on the site's activations
+    (timings stubbed: BF16 1 ms, low precision 0.5 ms) and the decision reaches the cache."""
+    from attention_variants import SdpaCausal
+
+    timings = iter([1.0, 0.5])
+    monkeypatch.setattr(tuning, "_gpu_name", lambda: "Test GPU")
+    monkeypatch.setattr(tuning, "_median_ms", lambda fn, rep_ms: (fn(), next(timings))[1])
+    module = SdpaCausal().eval()
+    x = torch.randn(2, 80, 256)
+    with torch.no_grad():
+        (result,) = fp4_inductor.tune(module, x)
+        ref = module(x)
+    assert result.key == "fp8/b2/h4/kv4/q80/k80/d64/causal/fwd"
+    assert result.entry["path"] == "fp8" and result.entry["speedup"] == 2.0
+    assert 0.99 < result.entry["cosine"] < 1.0  # measured, not assumed
+    assert tuning.load_decisions("Test GPU") == {result.key: result.entry}
+    assert ref.shape == x.shape
+
+
+def test_tune_keeps_bf16_below_the_accuracy_guard(fake_gpu, monkeypatch):
+    from attention_variants import SdpaCausal
+
+    timings = iter([1.0, 0.5])
+    monkeypatch.setattr(tuning, "_gpu_name", lambda: "Test GPU")
+    monkeypatch.setattr(tuning, "_median_ms", lambda fn, rep_ms: (fn(), next(timings))[1])
+    with torch.no_grad():
+        (result,) = fp4_inductor.tune(SdpaCausal().eval(), torch.randn(2, 80, 256), min_cosine=0.99999)
+    assert result.entry["path"] == "bf16" and result.entry["speedup"] == 2.0
+
+
 @pytest.mark.gpu
 def test_tune_writes_and_reuses_decisions(tmp_path, monkeypatch):
     monkeypatch.setenv("FP4ATTN_CACHE_DIR", str(tmp_path))

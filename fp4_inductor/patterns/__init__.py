@@ -62,10 +62,8 @@ def _scale_arg(graph: fx.Graph, scale):
     return result
 
 
-def replace_site(graph: fx.Graph, site: Site, fmt: str, p_mode: str | None, target=lowp_attention,
-                 extra: dict | None = None) -> fx.Node:
-    """Call ``target`` (``lowp_attention``'s signature) in place of the site; ``extra``
-    are further keyword arguments (tuning passes its bookkeeping this way)."""
+def replace_site(graph: fx.Graph, site: Site, fmt: str, p_mode: str | None, target=lowp_attention) -> fx.Node:
+    """Call ``target`` (``lowp_attention``'s signature; tuning passes a probe) in place of the site."""
     anchor = site.anchor
     with graph.inserting_before(anchor):
         if len(site.bias_terms) == 1 and not site.bias_terms[0][1] and not (site.keep_masks or site.drop_masks):
@@ -82,7 +80,7 @@ def replace_site(graph: fx.Graph, site: Site, fmt: str, p_mode: str | None, targ
             target,
             (site.q, site.k, site.v),
             {"attn_mask": mask, "scale": _scale_arg(graph, site.scale), "is_causal": site.causal,
-             "fmt": fmt, "p_mode": p_mode, **(extra or {})},
+             "fmt": fmt, "p_mode": p_mode},
         )
         want = value(anchor).dtype
         if value(site.q).dtype != want:
