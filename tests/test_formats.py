@@ -96,7 +96,7 @@ def test_int8_q_per_token_scale_and_rounding():
     assert torch.allclose(scale, (q * 0.125).abs().amax(-1) / 127.0)
     assert q8.abs().amax(-1).eq(127).all()  # each row's maximum uses the full range
     err = (F.dequantize_q(q8, scale) - q * 0.125).abs()
-    assert bool((err <= scale[..., None] / 2 * (1 + 1e-6)).all())
+    assert bool((err <= scale[..., None] / 2 * (1 + 1e-4)).all())  # half a step, plus float32 rounding of x / scale
 
 
 def test_int8_k_is_smoothed_with_one_scale_per_block():
@@ -105,7 +105,7 @@ def test_int8_k_is_smoothed_with_one_scale_per_block():
     assert scale.shape == (2, 2, 3)
     smoothed = k - k.mean(dim=-2, keepdim=True)
     err = (F.dequantize_k(k8, scale) - smoothed).abs()
-    assert bool((err <= F.expand_block_scale(scale, 300)[..., None] / 2 * (1 + 1e-6)).all())
+    assert bool((err <= F.expand_block_scale(scale, 300)[..., None] / 2 * (1 + 1e-4)).all())  # half a step, plus float32 rounding of x / scale
     # Smoothing shifts each score row by a constant: softmax is unchanged.
     q = torch.randn(2, 2, 7, 64)
     a = torch.softmax(q @ k.mT, -1)
