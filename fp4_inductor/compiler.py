@@ -83,13 +83,12 @@ def _tuned_decisions(site) -> dict:
 
 
 def _record(site, decision: Decision) -> SiteRecord:
-    q = value(site.q)
     return SiteRecord(
         name=site.name,
         kind=site.kind,
         shape=site.shape(),
         causal=site.causal,
-        training=bool(isinstance(q, torch.Tensor) and q.requires_grad),
+        training=site.training(),
         path=decision.path,
         reason=decision.reason,
         predicted_speedup=decision.predicted_speedup,

@@ -48,6 +48,9 @@ def unsupported_reason(site: Site) -> str | None:
         return f"device {q.device.type} is not supported"
     if not (q.dtype == k.dtype == v.dtype) or q.dtype not in SUPPORTED_DTYPES:
         return f"dtypes {q.dtype}/{k.dtype}/{v.dtype} (need one of fp16, bf16, fp32)"
+    if site.dims is not None:  # nn.MultiheadAttention: the matcher read the head layout
+        d = site.shape()[-1]
+        return None if d in SUPPORTED_HEAD_DIMS else f"head dim {d} is not one of {SUPPORTED_HEAD_DIMS}"
     if not (q.dim() == k.dim() == v.dim()) or q.dim() not in (3, 4):
         return "query, key and value must all be 3-d or 4-d"
     d = q.shape[-1]
@@ -172,8 +175,7 @@ def site_shape(site: Site) -> SiteShape | None:
     dims = site.shape()
     if dims is None:
         return None
-    q = value(site.q)
-    return SiteShape(*dims, causal=site.causal, training=bool(q.requires_grad))
+    return SiteShape(*dims, causal=site.causal, training=site.training())
 
 
 def decide(site: Site, options: Options, tuned: dict | None = None) -> Decision:

@@ -16,10 +16,11 @@ import torch.fx as fx
 
 from ..attention import lowp_attention
 from .common import Site, kind, value
+from .mha import match_mha, replace_mha
 from .sdpa import match_sdpa
 from .softmax import match_softmax
 
-MATCHERS = (match_sdpa, match_softmax)
+MATCHERS = (match_sdpa, match_softmax, match_mha)
 
 
 def find_sites(graph: fx.Graph) -> list[Site]:
@@ -64,6 +65,8 @@ def _scale_arg(graph: fx.Graph, scale):
 
 def replace_site(graph: fx.Graph, site: Site, fmt: str, p_mode: str | None, target=lowp_attention) -> fx.Node:
     """Call ``target`` (``lowp_attention``'s signature; tuning passes a probe) in place of the site."""
+    if site.kind == "mha":
+        return replace_mha(graph, site, fmt, p_mode)
     anchor = site.anchor
     with graph.inserting_before(anchor):
         if len(site.bias_terms) == 1 and not site.bias_terms[0][1] and not (site.keep_masks or site.drop_masks):

@@ -160,8 +160,8 @@ def module_path(node: fx.Node) -> str:
     if not stack:
         return ""
     path = list(stack.values())[-1][0]
-    # Dynamo names the root by how it was reached: L['self'], L['fn'], L['args'][0] ...
-    path = re.sub(r"^L\['[^']*'\](\[\d+\])?", "", path)
+    # Dynamo names the root by how it was reached: L['self'], L['args'][0], G['model'] ...
+    path = re.sub(r"^[LG]\['[^']*'\](\[\d+\])?", "", path)
     path = re.sub(r"\[['\"]?([^'\"\]]+)['\"]?\]", r".\1", path)
     path = re.sub(r"^(\.?_modules\.|\.)", "", path)
     return path.replace("._modules.", ".").strip(".")
@@ -190,9 +190,18 @@ class Site:
     drop_masks: list = dataclasses.field(default_factory=list)
     unsupported: str | None = None
     name: str = ""
+    # Set by matchers whose q/k/v are not [..., N, D] head tensors (nn.MultiheadAttention).
+    dims: tuple | None = None
+    weights: tuple = ()  # parameters the site multiplies by, for "does it train?"
+
+    def training(self) -> bool:
+        return any(isinstance(t, torch.Tensor) and t.requires_grad
+                   for t in (value(n) for n in (self.q, self.k, self.v, *self.weights)))
 
     def shape(self) -> tuple | None:
         """(B, H, Hkv, Nq, Nkv, D) from the example values (size hints if symbolic)."""
+        if self.dims is not None:
+            return tuple(_hint(d) for d in self.dims)
         qv, kv = value(self.q), value(self.k)
         if not isinstance(qv, torch.Tensor) or not isinstance(kv, torch.Tensor):
             return None

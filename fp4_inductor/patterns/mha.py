@@ -1,0 +1,110 @@
+"""``nn.MultiheadAttention`` (and ``nn.Transformer*Layer``, torchvision's ViT), which
+Dynamo keeps as one opaque ``F.multi_head_attention_forward`` call.
+
+The replacement does what that function does on its common path (in-projection, heads,
+attention, out-projection) with ``lowp_attention`` for the attention.  Sites that need
+the averaged weights, ``bias_k``/``bias_v``, ``add_zero_attn``, static K/V or dropout in
+training stay as written.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from ..attention import lowp_attention
+from .common import Site, arg, module_path, value
+
+_PARAMS = (
+    "query", "key", "value", "embed_dim_to_check", "num_heads", "in_proj_weight", "in_proj_bias", "bias_k",
+    "bias_v", "add_zero_attn", "dropout_p", "out_proj_weight", "out_proj_bias", "training", "key_padding_mask",
+    "need_weights", "attn_mask", "use_separate_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight",
+    "static_k", "static_v", "average_attn_weights", "is_causal",
+)
+_DEFAULTS = {"training": True, "need_weights": True, "use_separate_proj_weight": False, "is_causal": False,
+             "average_attn_weights": True}
+
+
+def mha_args(node: fx.Node) -> dict:
+    return {name: arg(node, i, name, _DEFAULTS.get(name)) for i, name in enumerate(_PARAMS)}
+
+
+def match_mha(node: fx.Node) -> Site | None:
+    if node.op != "call_function" or node.target is not F.multi_head_attention_forward:
+        return None
+    a = mha_args(node)
+    site = Site("mha", node, q=a["query"], k=a["key"], v=a["value"], causal=bool(a["is_causal"]),
+                name=module_path(node))
+    query, key = value(a["query"]), value(a["key"])
+    heads = a["num_heads"]
+    site.dims = (query.shape[1], heads, heads, query.shape[0], key.shape[0], query.shape[2] // heads)
+    site.weights = tuple(a[n] for n in ("in_proj_weight", "q_proj_weight") if a[n] is not None)
+    if a["need_weights"] is not False:
+        site.unsupported = "attention weights are returned (need_weights=True)"
+    elif any(a[n] is not None for n in ("bias_k", "bias_v", "static_k", "static_v")) or a["add_zero_attn"]:
+        site.unsupported = "bias_k/bias_v, static K/V or add_zero_attn"
+    elif a["dropout_p"] != 0 and a["training"] is not False:
+        site.unsupported = "dropout in training (not implemented in low precision)"
+    elif not isinstance(a["is_causal"], bool) or not isinstance(heads, int):
+        site.unsupported = "is_causal or num_heads is not a constant"
+    return site
+
+
+def mha_lowp(query, key, value, num_heads, in_proj_weight, in_proj_bias, out_proj_weight, out_proj_bias,
+             key_padding_mask, attn_mask, is_causal, q_proj_weight, k_proj_weight, v_proj_weight, *, fmt, p_mode):
+    """``F.multi_head_attention_forward`` with ``need_weights=False`` on sequence-first
+    ``[L, N, E]`` inputs, attention in low precision."""
+    length, batch, embed = query.shape
+    if q_proj_weight is not None:
+        weights = (q_proj_weight, k_proj_weight, v_proj_weight)
+    else:
+        weights = in_proj_weight.chunk(3)
+    biases = in_proj_bias.chunk(3) if in_proj_bias is not None else (None, None, None)
+    q, k, v = (
+        F.linear(x, w, b).unflatten(-1, (num_heads, -1)).permute(1, 2, 0, 3)  # [N, H, L, D]
+        for x, w, b in zip((query, key, value), weights, biases)
+    )
+    # The is_causal hint replaces attn_mask when no key padding is given, as upstream does.
+    if is_causal and key_padding_mask is None:
+        attn_mask = None
+    else:
+        is_causal = False
+    out = lowp_attention(q, k, v, attn_mask=_sdpa_mask(attn_mask, key_padding_mask, batch, num_heads),
+                         is_causal=is_causal, fmt=fmt, p_mode=p_mode)
+    out = F.linear(out.permute(2, 0, 1, 3).reshape(length, batch, embed), out_proj_weight, out_proj_bias)
+    return out, None
+
+
+def _additive(mask: torch.Tensor) -> torch.Tensor:
+    """MHA masks: boolean True means "masked out" (the opposite of SDPA's), float adds."""
+    if mask.dtype == torch.bool:
+        return torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill(mask, float("-inf"))
+    return mask.float()
+
+
+def _sdpa_mask(attn_mask, key_padding_mask, batch: int, heads: int):
+    total = None
+    if attn_mask is not None:
+        total = _additive(attn_mask)
+        if total.dim() == 3:  # [N * H, L, S]
+            total = total.unflatten(0, (batch, heads))
+    if key_padding_mask is not None:
+        padding = _additive(key_padding_mask)[:, None, None, :]  # [N, 1, 1, S]
+        total = padding if total is None else total + padding
+    return total
+
+
+def replace_mha(graph: fx.Graph, site: Site, fmt: str, p_mode: str | None) -> fx.Node:
+    a = mha_args(site.anchor)
+    args = (a["query"], a["key"], a["value"], a["num_heads"], a["in_proj_weight"], a["in_proj_bias"],
+            a["out_proj_weight"], a["out_proj_bias"], a["key_padding_mask"], a["attn_mask"], a["is_causal"],
+            a["q_proj_weight"] if a["use_separate_proj_weight"] else None,
+            a["k_proj_weight"] if a["use_separate_proj_weight"] else None,
+            a["v_proj_weight"] if a["use_separate_proj_weight"] else None)
+    with graph.inserting_before(site.anchor):
+        new = graph.call_function(mha_lowp, args, {"fmt": fmt, "p_mode": p_mode})
+    new.meta.update(site.anchor.meta)
+    site.anchor.replace_all_uses_with(new)
+    graph.erase_node(site.anchor)
+    return new

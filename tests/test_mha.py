@@ -1,0 +1,89 @@
+"""nn.MultiheadAttention and nn.TransformerEncoderLayer, which reach the graph as one
+opaque F.multi_head_attention_forward call."""
+
+import pytest
+import torch
+from torch import nn
+
+import fp4_inductor
+from helpers import cosine, op_calls
+
+B, N, E, H = 2, 80, 256, 4
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, batch_first=True, **kwargs):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(E, H, batch_first=batch_first, **kwargs)
+
+    def forward(self, x, key_padding_mask=None, attn_mask=None, is_causal=False):
+        return self.attn(x, x, x, key_padding_mask=key_padding_mask, attn_mask=attn_mask, need_weights=False,
+                         is_causal=is_causal)[0]
+
+
+def _padding():
+    pad = torch.rand(B, N) < 0.2
+    pad[:, 0] = False
+    return pad
+
+
+CASES = {
+    "plain": (dict(), lambda: {}),
+    "key_padding": (dict(), lambda: {"key_padding_mask": _padding()}),
+    "causal_hint": (dict(), lambda: {"attn_mask": nn.Transformer.generate_square_subsequent_mask(N), "is_causal": True}),
+    "bool_attn_mask": (dict(), lambda: {"attn_mask": torch.rand(N, N) < 0.3}),
+    "separate_proj": (dict(kdim=E, vdim=E, bias=False), lambda: {}),
+}
+
+
+def _run(module, x, kwargs, train):
+    module.train(train)
+    if train:
+        x = x.clone().requires_grad_()
+        out = module(x, **kwargs)
+        out.backward(torch.ones_like(out))
+        return out.detach(), x.grad
+    with torch.no_grad():
+        return module(x, **kwargs), None
+
+
+@pytest.mark.parametrize("train", [False, True], ids=["inference", "training"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_multihead_attention_captured(case, train):
+    ctor, make_kwargs = CASES[case]
+    module = SelfAttention(**ctor)
+    x, kwargs = torch.randn(B, N, E), make_kwargs()
+    if "attn_mask" in kwargs and kwargs["attn_mask"].dtype == torch.bool:
+        kwargs["attn_mask"][:, 0] = False  # every query keeps one key
+    ref, ref_grad = _run(module, x, kwargs, train)
+    with fp4_inductor.configure(policy="always"):
+        compiled = torch.compile(module, backend="fp4attn")
+        (out, grad), calls = op_calls(lambda: _run(compiled, x, kwargs, train))
+    assert calls == {"fwd": 1, "bwd": 1 if train else 0}
+    assert cosine(out, ref) > 0.99
+    if train:
+        assert cosine(grad, ref_grad) > 0.98
+
+
+def test_transformer_encoder_layer_training():
+    layer = nn.TransformerEncoderLayer(E, H, 512, dropout=0.0, batch_first=True).train()
+    x = torch.randn(B, N, E)
+    report = fp4_inductor.explain(layer, x, policy="always")
+    assert [(s.kind, s.path, s.shape, s.training) for s in report.sites] == [("mha", "fp8", (B, H, H, N, N, 64), True)]
+    with fp4_inductor.configure(policy="always"):
+        out, calls = op_calls(torch.compile(layer, backend="fp4attn"), x)
+    assert calls["fwd"] == 1 and cosine(out, layer(x)) > 0.99
+
+
+@pytest.mark.parametrize(
+    "make, reason",
+    [
+        (lambda m, x: m.attn(x, x, x)[0], "need_weights=True"),
+        (lambda m, x: m.attn(x, x, x, need_weights=False)[0], "dropout in training"),
+    ],
+)
+def test_unsupported_multihead_attention_stays_exact(make, reason):
+    module = SelfAttention(dropout=0.1).train()
+    x = torch.randn(B, N, E)
+    report = fp4_inductor.explain(lambda x: make(module, x), x, policy="always")
+    assert report.sites[0].path == "bf16" and reason in report.sites[0].reason
