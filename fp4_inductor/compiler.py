@@ -103,16 +103,22 @@ def rewrite(gm: torch.fx.GraphModule, options: Options) -> list[SiteRecord]:
     return rewrite_pass.records
 
 
-def compile_graph(gm: torch.fx.GraphModule, example_inputs, options: Options):
+def compile_graph(gm: torch.fx.GraphModule, example_inputs, options: Options, mode: str | None = None,
+                  inductor_options: dict | None = None):
+    """Rewrite, then Inductor with ``torch.compile``'s ``mode``/``options`` applied as
+    Inductor does for itself (``mode="reduce-overhead"`` means CUDA graphs)."""
+    import torch._inductor
     from torch._inductor.compile_fx import compile_fx
 
     rewrite(gm, options)
-    return compile_fx(gm, example_inputs)
+    patches = {**(torch._inductor.list_mode_options(mode) if mode else {}), **(inductor_options or {})}
+    return compile_fx(gm, example_inputs, config_patches=patches or None)
 
 
-def fp4attn(gm: torch.fx.GraphModule, example_inputs):
-    """The registered backend: options from ``configure()`` and FP4ATTN_* at compile time."""
-    return compile_graph(gm, example_inputs, config.current())
+def fp4attn(gm: torch.fx.GraphModule, example_inputs, mode: str | None = None, options: dict | None = None):
+    """The registered backend: options from ``configure()`` and FP4ATTN_* at compile time;
+    ``torch.compile``'s ``mode`` and ``options`` go to Inductor."""
+    return compile_graph(gm, example_inputs, config.current(), mode, options)
 
 
 class backend:
@@ -121,8 +127,8 @@ class backend:
     def __init__(self, policy: str | None = None, fmt: str | None = None, **options):
         self.options = config.current().replace(policy=policy, fmt=fmt, **options)
 
-    def __call__(self, gm: torch.fx.GraphModule, example_inputs):
-        return compile_graph(gm, example_inputs, self.options)
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs, mode: str | None = None, options: dict | None = None):
+        return compile_graph(gm, example_inputs, self.options, mode, options)
 
     def __repr__(self) -> str:
         return f"fp4_inductor.backend({self.options})"

@@ -173,3 +173,30 @@ def test_explain_report_fields_and_table():
     assert site.predicted_speedup is None and site.reason.startswith("policy=always")
     text = str(report)
     assert "sdpa" in text and "2,4,4,80,80,64" in text and "fp8" in text
+
+
+@pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune-no-cudagraphs"])
+def test_compile_modes_reach_inductor(mode):
+    module = CAPTURED[1]().eval()
+    x = torch.randn(B, N, C)
+    with torch.no_grad(), fp4_inductor.configure(policy="always"):
+        out, calls = op_calls(torch.compile(module, backend="fp4attn", mode=mode), x)
+        ref = module(x)
+    assert calls["fwd"] == 1 and cosine(out, ref) > 0.99
+
+
+def test_inductor_options_are_applied(monkeypatch):
+    from torch._inductor import compile_fx as inductor
+
+    seen = []
+    real = inductor.compile_fx
+
+    def spy(gm, example_inputs, **kwargs):
+        seen.append(kwargs.get("config_patches"))
+        return real(gm, example_inputs, **kwargs)
+
+    monkeypatch.setattr(inductor, "compile_fx", spy)
+    module = CAPTURED[0]().eval()
+    with torch.no_grad():
+        torch.compile(module, backend=fp4_inductor.backend(policy="always"), options={"epilogue_fusion": False})(torch.randn(B, N, C))
+    assert seen[0] == {"epilogue_fusion": False}
