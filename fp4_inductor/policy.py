@@ -209,9 +209,35 @@ def decide(site: Site, options: Options, tuned: dict | None = None) -> Decision:
     speedup = predict_speedup(shape, options.fmt, table)
     if speedup is None:
         return Decision("bf16", f"cost table for {gpu} has no rate for {shape.table_key()}")
-    if speedup >= MIN_SPEEDUP:
-        return Decision(options.fmt, f"cost model: {speedup:.2f}x over BF16", speedup)
-    return Decision("bf16", f"cost model: {options.fmt} would be {speedup:.2f}x of BF16", speedup)
+    wins, note = speedup >= MIN_SPEEDUP, ""
+    length = site.key_length()
+    if isinstance(length, torch.SymInt):
+        threshold = crossover_length(shape, options.fmt, table)
+        if threshold is not None:
+            # Evaluating the comparison installs a guard on the symbolic length: a later
+            # size on the other side of the crossover recompiles with the other path
+            # instead of inheriting this size's decision.
+            wins = bool(length >= threshold)
+            note = f"; {options.fmt} from {threshold} keys (a size across the crossover recompiles)"
+    if wins:
+        return Decision(options.fmt, f"cost model: {speedup:.2f}x over BF16{note}", speedup)
+    return Decision("bf16", f"cost model: {options.fmt} would be {speedup:.2f}x of BF16{note}", speedup)
+
+
+_CROSSOVER_GRID = tuple(2**i for i in range(4, 21))
+
+
+def crossover_length(shape: SiteShape, fmt: str, table: CostTable) -> int | None:
+    """The smallest key length (on a power-of-two grid, the query length scaled along)
+    from which low precision is predicted to win at every longer length; None if never."""
+    threshold = None
+    for n in reversed(_CROSSOVER_GRID):
+        scaled = dataclasses.replace(shape, nk=n, nq=max(1, round(shape.nq * n / shape.nk)))
+        speedup = predict_speedup(scaled, fmt, table)
+        if speedup is None or speedup < MIN_SPEEDUP:
+            break
+        threshold = n
+    return threshold
 
 
 def site_key(shape: SiteShape, fmt: str) -> str:

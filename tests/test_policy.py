@@ -12,6 +12,7 @@ from fp4_inductor import policy, tuning
 from fp4_inductor.config import Options
 from fp4_inductor.patterns import find_sites
 from fp4_inductor.patterns.common import Site
+from helpers import op_calls
 
 TABLE = {
     "gpu": "Test GPU",
@@ -111,6 +112,24 @@ def test_symbolic_shapes_decide_from_size_hints(fake_gpu):
     (shape, decision), = decisions
     assert shape == (1, 2, 2, 4096, 4096, 128)
     assert decision.predicted_speedup is not None
+
+
+def test_dynamic_length_decides_per_side_of_the_crossover(fake_gpu, monkeypatch):
+    """Under dynamic shapes the decision becomes a guard on the key length: a size on the
+    other side of the cost model's crossover recompiles with the other path."""
+    table = policy.CostTable.from_json(json.dumps({**TABLE, "launch_us": 0.0}))
+    monkeypatch.setattr(policy, "table_for", lambda gpu: table)
+    threshold = policy.crossover_length(policy.SiteShape(1, 2, 2, 4096, 4096, 128, False, False), "fp8", table)
+    assert threshold == 2048  # rates cross (with the 3 % margin) between 1k and 2k keys
+
+    def fn(q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+    compiled = torch.compile(fn, backend=fp4_inductor.backend(), dynamic=True)
+    for n, expect_op in ((4096, True), (512, False), (threshold, True), (threshold - 16, False)):
+        q, k, v = (torch.randn(1, 2, n, 128) for _ in range(3))
+        _, calls = op_calls(compiled, q, k, v)
+        assert (calls["fwd"] == 1) == expect_op, n
 
 
 def _entry(**changes):

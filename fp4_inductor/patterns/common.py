@@ -198,6 +198,12 @@ class Site:
         return any(isinstance(t, torch.Tensor) and t.requires_grad
                    for t in (value(n) for n in (self.q, self.k, self.v, *self.weights)))
 
+    def key_length(self):
+        """The number of keys as the graph has it: an int, or a SymInt under dynamic shapes."""
+        if self.dims is not None:
+            return self.dims[4]
+        return value(self.k).shape[-2]
+
     def shape(self) -> tuple | None:
         """(B, H, Hkv, Nq, Nkv, D) from the example values (size hints if symbolic)."""
         if self.dims is not None:
