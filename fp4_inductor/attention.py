@@ -31,6 +31,23 @@ def _mask_to_log2_bias(attn_mask: torch.Tensor | None) -> torch.Tensor | None:
     return (attn_mask.float() * F.LOG2E).clamp(min=MASKED_LOG2)
 
 
+def combine_masks(attn_mask, bias_terms, keep_masks, drop_masks):
+    """One additive mask (-inf where masked) from a site's masks: an SDPA-style
+    ``attn_mask`` (boolean True keeps), ``(mask, factor)`` additive terms, and boolean
+    masks that keep or drop where True.  Called inside rewritten graphs."""
+    total = attn_mask
+    if total is not None and total.dtype == torch.bool:
+        total = torch.zeros_like(total, dtype=torch.float32).masked_fill(~total, float("-inf"))
+    for mask, factor in bias_terms:
+        term = mask.float() * factor
+        total = term if total is None else total + term
+    for keep, drop in [(m, False) for m in keep_masks] + [(m, True) for m in drop_masks]:
+        masked = keep if drop else ~keep
+        fill = torch.zeros(masked.shape, dtype=torch.float32, device=masked.device).masked_fill(masked, float("-inf"))
+        total = fill if total is None else total + fill
+    return total
+
+
 class _LowPrecisionAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, bias, sm_scale, causal, fmt, p_mode):

@@ -5,10 +5,9 @@ import pytest
 import torch
 import torch.fx as fx
 
-from fp4_inductor.attention import lowp_attention
+from fp4_inductor.attention import combine_masks, lowp_attention
 from fp4_inductor.compiler import rewrite
 from fp4_inductor.config import Options
-from fp4_inductor.patterns import combine_masks
 
 
 def rewritten_calls(fn, *args, **kwargs) -> str:

@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import operator
 
-import torch
 import torch.fx as fx
 
-from ..attention import lowp_attention
+from ..attention import combine_masks, lowp_attention
 from .common import Site, kind, value
 from .mha import match_mha, replace_mha
 from .sdpa import match_sdpa
@@ -32,21 +31,6 @@ def find_sites(graph: fx.Graph) -> list[Site]:
                 sites.append(site)
                 break
     return sites
-
-
-def combine_masks(attn_mask, bias_terms, keep_masks, drop_masks):
-    """One additive mask from a site's masks (called inside the rewritten graph)."""
-    total = attn_mask
-    if total is not None and total.dtype == torch.bool:
-        total = torch.zeros_like(total, dtype=torch.float32).masked_fill(~total, float("-inf"))
-    for mask, factor in bias_terms:
-        term = mask.float() * factor
-        total = term if total is None else total + term
-    for keep, drop in [(m, False) for m in keep_masks] + [(m, True) for m in drop_masks]:
-        masked = keep if drop else ~keep
-        fill = torch.zeros(masked.shape, dtype=torch.float32, device=masked.device).masked_fill(masked, float("-inf"))
-        total = fill if total is None else total + fill
-    return total
 
 
 def _scale_arg(graph: fx.Graph, scale):

@@ -13,7 +13,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from ..attention import lowp_attention
+from ..attention import combine_masks, lowp_attention
 from .common import Site, arg, module_path, value
 
 _PARAMS = (
@@ -76,23 +76,18 @@ def mha_lowp(query, key, value, num_heads, in_proj_weight, in_proj_bias, out_pro
     return out, None
 
 
-def _additive(mask: torch.Tensor) -> torch.Tensor:
-    """MHA masks: boolean True means "masked out" (the opposite of SDPA's), float adds."""
-    if mask.dtype == torch.bool:
-        return torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill(mask, float("-inf"))
-    return mask.float()
-
-
 def _sdpa_mask(attn_mask, key_padding_mask, batch: int, heads: int):
-    total = None
+    """MHA's masks as one SDPA mask.  MHA's boolean masks mean "masked out" where True
+    (the opposite of SDPA's); float masks add."""
+    masks = []
     if attn_mask is not None:
-        total = _additive(attn_mask)
-        if total.dim() == 3:  # [N * H, L, S]
-            total = total.unflatten(0, (batch, heads))
+        masks.append(attn_mask.unflatten(0, (batch, heads)) if attn_mask.dim() == 3 else attn_mask)  # [N*H, L, S]
     if key_padding_mask is not None:
-        padding = _additive(key_padding_mask)[:, None, None, :]  # [N, 1, 1, S]
-        total = padding if total is None else total + padding
-    return total
+        masks.append(key_padding_mask[:, None, None, :])  # [N, 1, 1, S]
+    if not masks:
+        return None
+    additive = tuple((m, 1.0) for m in masks if m.dtype != torch.bool)
+    return combine_masks(None, additive, (), tuple(m for m in masks if m.dtype == torch.bool))
 
 
 def replace_mha(graph: fx.Graph, site: Site, fmt: str, p_mode: str | None) -> fx.Node:
