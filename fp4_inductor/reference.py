@@ -37,24 +37,25 @@ def log2_scores(
     bias: torch.Tensor | None,
     causal: bool,
     keys: slice,
+    queries: slice = slice(None),
 ) -> torch.Tensor:
-    """``x = (q8 . k8) * (q_scale * log2e * k_scale) + bias`` for one key range,
-    -inf above the diagonal when causal (top-left aligned, as SDPA's ``is_causal``)."""
+    """``x = (q8 . k8) * (q_scale * log2e * k_scale) + bias`` for one key range (and
+    query range), -inf above the diagonal when causal (top-left aligned, as SDPA's)."""
     nq, nk = q8.shape[-2], k8.shape[-2]
     # INT8 products summed exactly: float64 holds every partial sum (|acc| < 2**24 for
     # D <= 1024, so the float32 value is exact too), and unlike int64 it runs on CUDA.
     k = _heads(k8, q8.shape[1])[..., keys, :].double()
-    acc = (q8.double() @ k.transpose(-1, -2)).float()
-    row = q_scale * F.LOG2E
+    acc = (q8[..., queries, :].double() @ k.transpose(-1, -2)).float()
+    row = q_scale[..., queries] * F.LOG2E
     col = _heads(F.expand_block_scale(k_scale, nk)[..., keys], q8.shape[1])
     t = row[..., :, None] * col[..., None, :]
     if bias is None:
         x = acc * t
     else:
-        b = bias.expand(*q8.shape[:2], nq, nk)[..., keys]
+        b = bias.expand(*q8.shape[:2], nq, nk)[..., queries, keys]
         x = _fma(acc, t, b)
     if causal:
-        rows = torch.arange(nq, device=x.device)[:, None]
+        rows = torch.arange(nq, device=x.device)[queries][:, None]
         cols = torch.arange(nk, device=x.device)[keys][None, :]
         x = x.masked_fill(cols > rows, float("-inf"))
     return x
@@ -139,15 +140,22 @@ def attention_backward(
     ``delta = rowsum(dequantized do8 * O)``, and ``qe``/``ke`` are the E4M3 views of
     ``formats.backward_operands``."""
     h, hkv = q8.shape[1], k8.shape[1]
-    nk = k8.shape[-2]
-    x = log2_scores(q8, k8, q_scale, k_scale, bias, causal, slice(0, nk))
-    p = _probability(x, F.backward_reference(lse)[..., None], p_mode)
+    nq, nk = q8.shape[-2], k8.shape[-2]
     do = do8.float() * do_scale[..., None, None]
     v = _heads(v8t.transpose(-1, -2), h).float() * _heads(v_scale, h)[..., None, None]
-    ds = _quantize_ds_tiles(p * (do @ v.transpose(-1, -2) - delta[..., None]))
     k = _heads(F.dequantize_blockwise(ke, ke_scale), h)
     q = F.dequantize_blockwise(qe, qe_scale)
-    dq = ds @ k
-    dk = _group_sum(ds.transpose(-1, -2) @ q, hkv)
-    dv = _group_sum(p.transpose(-1, -2) @ do, hkv)
-    return dq.to(out_dtype), dk.to(out_dtype), dv.to(out_dtype)
+    r = F.backward_reference(lse)
+    # One DS_TILE row block at a time: memory grows with N, not N**2, and the dS tiles
+    # stay aligned at 0 as the kernels' are.
+    dq, dk, dv = [], 0.0, 0.0
+    for start in range(0, nq, F.DS_TILE[0]):
+        rows = slice(start, min(start + F.DS_TILE[0], nq))
+        x = log2_scores(q8, k8, q_scale, k_scale, bias, causal, slice(0, nk), rows)
+        p = _probability(x, r[..., rows, None], p_mode)
+        ds = _quantize_ds_tiles(p * (do[..., rows, :] @ v.transpose(-1, -2) - delta[..., rows, None]))
+        dq.append(ds @ k)
+        dk = dk + ds.transpose(-1, -2) @ q[..., rows, :]
+        dv = dv + p.transpose(-1, -2) @ do[..., rows, :]
+    dq = torch.cat(dq, dim=-2)
+    return dq.to(out_dtype), _group_sum(dk, hkv).to(out_dtype), _group_sum(dv, hkv).to(out_dtype)
