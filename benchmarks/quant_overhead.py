@@ -2,8 +2,9 @@
 
     python benchmarks/quant_overhead.py
 
-1. formats.quantize_q/k/v compiled with static and with dynamic shapes, at the forward
-   benchmark's shape (B N = 16k tokens, H D = 2048), against the ~70 us byte floor;
+1. formats.quantize_q/k/v, together and one by one, compiled with static and with
+   dynamic shapes, at the forward benchmark's shape (B N = 16k tokens, H D = 2048),
+   against the ~70 us byte floor;
 2. one attention block (QKV projection, causal SDPA, output projection) compiled with
    Inductor's default backend vs backend fp4attn (policy always), plain and as a CUDA
    graph (Inductor's cudagraphs, as mode="reduce-overhead" sets), with the output's
@@ -48,12 +49,20 @@ def main() -> None:
     b, h, n, d = 4, 16, 4096, 128
     q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     floor_ms = 3 * q.numel() * 3 / 4.26e12 * 1e3  # read bf16, write 8-bit, per tensor
+    sm_scale = 1 / math.sqrt(d)
+    parts = {
+        "all": lambda: quantize(q, k, v, sm_scale),
+        "q": lambda: F.quantize_q(q, sm_scale),
+        "k": lambda: F.quantize_k(k),
+        "v": lambda: F.quantize_v(v, "fp8"),
+    }
     for dynamic in (False, True):
-        torch._dynamo.reset()
-        fn = torch.compile(quantize, dynamic=dynamic)
-        fn(q, k, v, 1 / math.sqrt(d))
-        results["quantize_ms"][f"dynamic={dynamic}"] = do_bench(lambda: fn(q, k, v, 1 / math.sqrt(d)), return_mode="median")
-    results["quantize_ms"]["byte_floor"] = floor_ms
+        for name, part in parts.items():
+            torch._dynamo.reset()
+            fn = torch.compile(part, dynamic=dynamic)
+            fn()
+            results["quantize_ms"][f"{name} dynamic={dynamic}"] = do_bench(fn, return_mode="median")
+    results["quantize_ms"]["byte_floor_all"] = floor_ms
 
     block = Block(h * d, h).cuda().to(torch.bfloat16).eval()
     x = torch.randn(b, n, h * d, device="cuda", dtype=torch.bfloat16)
