@@ -35,9 +35,12 @@ def combine_masks(attn_mask, bias_terms, keep_masks, drop_masks):
     """One additive mask (-inf where masked) from a site's masks: an SDPA-style
     ``attn_mask`` (boolean True keeps), ``(mask, factor)`` additive terms, and boolean
     masks that keep or drop where True.  Called inside rewritten graphs."""
-    total = attn_mask
-    if total is not None and total.dtype == torch.bool:
-        total = torch.zeros_like(total, dtype=torch.float32).masked_fill(~total, float("-inf"))
+    if attn_mask is not None:  # SDPA's mask is one more keep mask or additive term
+        if attn_mask.dtype == torch.bool:
+            keep_masks = (attn_mask, *keep_masks)
+        else:
+            bias_terms = ((attn_mask, 1.0), *bias_terms)
+    total = None
     for mask, factor in bias_terms:
         term = mask.float() * factor
         total = term if total is None else total + term
