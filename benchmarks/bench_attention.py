@@ -6,7 +6,7 @@ FlashAttention-3's grid: B * N = 16384 tokens, H * D = 2048, D in {64, 128},
 N in {512 .. 16k}, causal off and on.  Rows, all timed in the same run with
 triton.testing.do_bench medians:
   - ours, P mode direct / exp / fp4: the kernel alone on quantized operands, and
-    "+quant": formats.quantize_q/k/v (one torch.compile'd function) plus the kernel;
+    "+quant": the fp4attn::quantize op (what the backend runs) plus the kernel;
   - torch SDPA BF16 on the cuDNN and flash backends, FlashAttention-4 (flash_attn.cute)
     BF16, cuDNN FP8 (cudnn frontend sdpa_fp8, plain cast, FP8 out); a peer whose package
     is missing is recorded as "not installed".
@@ -33,6 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common as C  # noqa: E402
 
 from fp4_inductor import formats as F  # noqa: E402
+from fp4_inductor import ops as _ops  # noqa: E402,F401  (registers torch.ops.fp4attn)
 from fp4_inductor.kernels.triton import attention_fwd as A  # noqa: E402
 
 MODES = ("direct", "exp", "fp4")
@@ -43,16 +44,8 @@ NOT_INSTALLED = "not installed"
 
 
 def _quantize(q, k, v, sm_scale, fmt):
-    q8, qs = F.quantize_q(q, sm_scale)
-    k8, ks = F.quantize_k(k)
-    vt, vs = F.quantize_v(v, fmt)
+    q8, qs, k8, ks, vt, vs = torch.ops.fp4attn.quantize(q, k, v, sm_scale, fmt)
     return q8, k8, vt, qs, ks, vs
-
-
-@functools.cache
-def _compiled_quantize(fmt):
-    # dynamic=True: one compiled graph serves every length in the grid.
-    return torch.compile(functools.partial(_quantize, fmt=fmt), dynamic=True)
 
 
 def ours(mode, with_quant):
@@ -60,7 +53,7 @@ def ours(mode, with_quant):
         b, h, n, d = q.shape
         sm_scale = 1.0 / math.sqrt(d)
         fmt = "fp4" if mode == "fp4" else "fp8"
-        quant = _compiled_quantize(fmt)
+        quant = functools.partial(_quantize, fmt=fmt)
         ops = quant(q, k, v, sm_scale)
         out, lse = C.empty_outputs(b, h, n, d, dtype=q.dtype)
         config = A.tuned_config(d, causal, n)

@@ -1,13 +1,16 @@
-"""What quantization costs outside the kernel, and the compiled path end to end.
+"""What quantizing Q, K and V costs, and the compiled path end to end.
 
     python benchmarks/quant_overhead.py
 
-1. formats.quantize_q/k/v, together and one by one, compiled with static and with
-   dynamic shapes, at the forward benchmark's shape (B N = 16k tokens, H D = 2048),
-   against the ~70 us byte floor;
-2. one attention block (QKV projection, causal SDPA, output projection) compiled with
-   Inductor's default backend vs backend fp4attn (policy always), plain and as a CUDA
-   graph (Inductor's cudagraphs, as mode="reduce-overhead" sets), with the output's
+1. Quantization alone at the forward benchmark's shape (B N = 16k tokens, H D = 2048):
+   the fp4attn::quantize op (two Triton launches) against the same formats code compiled
+   by Inductor (the design before the op), against the byte floor (Q read once, K and V
+   twice, 8-bit codes written).  Device time summed over the kernels (profiler) and the
+   CUDA-graph replay time (no CPU overhead).
+2. An attention block (QKV projection, optional rotary embedding, causal SDPA, output
+   projection) compiled with Inductor's default backend vs backend fp4attn (policy always),
+   with the op and with the formats code traced into the graph for Inductor to fuse; plain
+   and as a CUDA graph (Inductor's cudagraphs, what mode="reduce-overhead" sets).  Output
    cosine against the default.
 Writes benchmarks/results/quant_overhead_<device>.json.
 """
@@ -18,73 +21,107 @@ import datetime
 import json
 import math
 from pathlib import Path
+import contextlib
+from unittest import mock
 
 import torch
-from triton.testing import do_bench
+from torch.profiler import ProfilerActivity, profile
+from triton.testing import do_bench, do_bench_cudagraph
 
 import fp4_inductor
 from fp4_inductor import formats as F
 
+BANDWIDTH = 4.26e12  # bytes/s, copy bandwidth measured on the H200
 
-def quantize(q, k, v, sm_scale):
-    return F.quantize_q(q, sm_scale), F.quantize_k(k), F.quantize_v(v, "fp8")
+
+def formats_quantize(q, k, v, sm_scale, fmt):
+    q8, qs = F.quantize_q(q, sm_scale)
+    k8, ks = F.quantize_k(k)
+    vt, vs = F.quantize_v(v, fmt)
+    return q8, qs, k8, ks, vt, vs
+
+
+def kernel_times(fn) -> dict[str, float]:
+    """Device time per kernel name for one call, in microseconds: where the time goes."""
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return {e.key: round(e.device_time_total, 1) for e in prof.key_averages() if e.device_time_total > 0}
+
+
+def rope(x, cos, sin):
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
 class Block(torch.nn.Module):
-    def __init__(self, width: int, heads: int):
+    def __init__(self, width: int, heads: int, n: int, rotary: bool):
         super().__init__()
-        self.heads = heads
+        self.heads, self.rotary = heads, rotary
         self.qkv, self.out = torch.nn.Linear(width, 3 * width), torch.nn.Linear(width, width)
+        d = width // heads
+        angle = torch.arange(n)[:, None] / 10000 ** (torch.arange(0, d, 2) / d)
+        self.register_buffer("cos", torch.cat((angle, angle), -1).cos())
+        self.register_buffer("sin", torch.cat((angle, angle), -1).sin())
 
     def forward(self, x):
         b, n, c = x.shape
         q, k, v = self.qkv(x).view(b, n, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4).unbind(0)
+        if self.rotary:
+            q, k = rope(q, self.cos, self.sin), rope(k, self.cos, self.sin)
         y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.out(y.transpose(1, 2).reshape(b, n, c))
 
 
 def main() -> None:
     results = {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
-               "torch": torch.__version__, "quantize_ms": {}, "block_ms": {}}
+               "torch": torch.__version__, "quantize_us": {}, "kernels_us": {}, "block_ms": {}}
     b, h, n, d = 4, 16, 4096, 128
-    q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    floor_ms = 3 * q.numel() * 3 / 4.26e12 * 1e3  # read bf16, write 8-bit, per tensor
+    q, k, v = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2) for _ in range(3))
     sm_scale = 1 / math.sqrt(d)
-    parts = {
-        "all": lambda: quantize(q, k, v, sm_scale),
-        "q": lambda: F.quantize_q(q, sm_scale),
-        "k": lambda: F.quantize_k(k),
-        "v": lambda: F.quantize_v(v, "fp8"),
+    results["quantize_us"]["byte_floor"] = (q.numel() * 2 * 5 + q.numel() * 3) / BANDWIDTH * 1e6
+    variants = {
+        "op": lambda: torch.ops.fp4attn.quantize(q, k, v, sm_scale, "fp8"),
+        "inductor": torch.compile(lambda: formats_quantize(q, k, v, sm_scale, "fp8")),
     }
-    for dynamic in (False, True):
-        for name, part in parts.items():
-            torch._dynamo.reset()
-            fn = torch.compile(part, dynamic=dynamic)
-            fn()
-            results["quantize_ms"][f"{name} dynamic={dynamic}"] = do_bench(fn, return_mode="median")
-    results["quantize_ms"]["byte_floor_all"] = floor_ms
+    for name, fn in variants.items():
+        fn()
+        times = kernel_times(fn)
+        results["kernels_us"][f"quantize {name}"] = times
+        results["quantize_us"][f"{name} device"] = round(sum(times.values()), 1)
+        results["quantize_us"][f"{name} graph replay"] = round(1e3 * do_bench_cudagraph(fn), 1)
 
-    block = Block(h * d, h).cuda().to(torch.bfloat16).eval()
     x = torch.randn(b, n, h * d, device="cuda", dtype=torch.bfloat16)
-    outputs = {}
-    with torch.no_grad():
-        ours = fp4_inductor.backend(policy="always")  # works without the package's entry point
-        for name, backend, cudagraphs in [("inductor", "inductor", False), ("fp4attn", ours, False),
-                                          ("inductor+cudagraph", "inductor", True), ("fp4attn+cudagraph", ours, True)]:
+    ours = fp4_inductor.backend(policy="always")  # works without the package's entry point
+    runs = [("inductor", "inductor", False, False), ("fp4attn", ours, False, False),
+            ("fp4attn aten-quant", ours, False, True), ("inductor+cudagraph", "inductor", True, False),
+            ("fp4attn+cudagraph", ours, True, False)]
+    cosines = {}
+    for rotary in (False, True):
+        block = Block(h * d, h, n, rotary).cuda().to(torch.bfloat16).eval()
+        outputs = {}
+        for name, backend, cudagraphs, aten_quant in runs:
+            label = f"{'rope ' if rotary else ''}{name}"
             torch._dynamo.reset()
-            with torch._inductor.config.patch({"triton.cudagraphs": cudagraphs}):  # read at compile time
+            patch = mock.patch.object(torch.ops.fp4attn, "quantize", formats_quantize) if aten_quant else contextlib.nullcontext()
+            # No compile caches: with the op patched out the graph's cache key is unchanged.
+            config = {"triton.cudagraphs": cudagraphs, "fx_graph_cache": False}
+            with torch.no_grad(), patch, torch._inductor.config.patch(config), \
+                    torch._functorch.config.patch(enable_autograd_cache=False):
                 fn = torch.compile(block, backend=backend)
                 for _ in range(3):
                     outputs[name] = fn(x).clone()
-            results["block_ms"][name] = do_bench(lambda: fn(x), return_mode="median")
-    ref = outputs["inductor"].float().flatten()
-    results["cosine_vs_inductor"] = {
-        name: torch.nn.functional.cosine_similarity(out.float().flatten(), ref, dim=0).item() for name, out in outputs.items()
-    }
+                results["block_ms"][label] = round(do_bench(lambda: fn(x), return_mode="median"), 4)
+                results["kernels_us"][f"block {label}"] = kernel_times(lambda: fn(x))
+        ref = outputs["inductor"].float().flatten()
+        for name, out in outputs.items():
+            cosines[f"{'rope ' if rotary else ''}{name}"] = torch.nn.functional.cosine_similarity(
+                out.float().flatten(), ref, dim=0).item()
+    results["cosine_vs_inductor"] = cosines
     out = Path(__file__).parent / "results" / f"quant_overhead_{results['device'].lower().replace(' ', '_')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1))
-    print(json.dumps(results, indent=1))
+    print(json.dumps({k: results[k] for k in ("quantize_us", "block_ms", "cosine_vs_inductor")}, indent=1))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """The function rewritten graphs call in place of an attention site.
 
-Quantization is plain torch code here, so once AOTAutograd traces it Inductor fuses it
-into whatever produced Q, K and V.  Autograd is a ``torch.autograd.Function`` around
+Q, K and V are quantized by one op (``fp4attn::quantize``), dO by plain torch code that
+Inductor fuses into the backward graph.  Autograd is a ``torch.autograd.Function`` around
 quantize + ``fp4attn::fwd``: the op's inputs are integer codes, which carry no gradient,
 so the gradient must be attached where the high-precision inputs are still in view
 (a straight-through estimator for the rounding, exact for the attention itself).
@@ -54,10 +54,11 @@ def combine_masks(attn_mask, bias_terms, keep_masks, drop_masks):
 class _LowPrecisionAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, bias, sm_scale, causal, fmt, p_mode):
-        q8, q_scale = F.quantize_q(q, sm_scale)
-        k8, k_scale = F.quantize_k(k)
-        v8t, v_scale = F.quantize_v(v, fmt)
-        out, lse = torch.ops.fp4attn.fwd(q8, k8, v8t, q_scale, k_scale, v_scale, bias, causal, p_mode, q.dtype)
+        out_dtype, q_scaled, op_scale = q.dtype, q, sm_scale
+        if not isinstance(sm_scale, (int, float)):  # a tensor or symbolic scale: fold it in first
+            q_scaled, op_scale = q.float() * sm_scale, 1.0
+        q8, q_scale, k8, k_scale, v8t, v_scale = torch.ops.fp4attn.quantize(q_scaled, k, v, float(op_scale), fmt)
+        out, lse = torch.ops.fp4attn.fwd(q8, k8, v8t, q_scale, k_scale, v_scale, bias, causal, p_mode, out_dtype)
         ctx.save_for_backward(q8, k8, v8t, q_scale, k_scale, v_scale, bias, out, lse)
         ctx.sm_scale, ctx.causal, ctx.p_mode = sm_scale, causal, p_mode
         return out

@@ -1,9 +1,9 @@
-"""Custom ops ``torch.ops.fp4attn.fwd`` and ``torch.ops.fp4attn.bwd``.
+"""Custom ops ``torch.ops.fp4attn.quantize``, ``fwd`` and ``bwd``.
 
-They take already-quantized operands (quantization is aten code in the rewritten graph,
-see ``attention.py``), so Inductor fuses it into the producers.  Where a GPU kernel
-exists it runs; everywhere else, and if a kernel fails at run time (with one warning),
-the reference emulation in ``reference.py`` computes the same numbers.
+``quantize`` turns Q, K and V into the forward's operands; ``fwd`` and ``bwd`` take the
+quantized operands.  Where a GPU kernel exists it runs; everywhere else, and if a kernel
+fails at run time (with one warning), ``formats.py`` and the reference emulation in
+``reference.py`` compute the same numbers.
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ import warnings
 import torch
 
 from . import reference
-from .kernels import backward_kernel, forward_kernel
+from . import formats as F
+from .kernels import backward_kernel, forward_kernel, quantize_kernel
 
 _warned: set[str] = set()
 
@@ -28,6 +29,42 @@ def _bnhd_empty(like: torch.Tensor, heads: int, rows: int, dim: int, dtype: torc
     """``[B, H, N, D]`` stored as ``[B, N, H, D]``: the layout ``out.transpose(1, 2)
     .reshape(B, N, H * D)`` reads without a copy (and the kernels write)."""
     return torch.empty(like.shape[0], rows, heads, dim, dtype=dtype, device=like.device).transpose(1, 2)
+
+
+@torch.library.custom_op("fp4attn::quantize", mutates_args=())
+def quantize(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, fmt: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(q8, q_scale, k8, k_scale, v_t, v_scale)``: ``formats.quantize_q(q, sm_scale)``,
+    ``quantize_k(k)`` and ``quantize_v(v, fmt)``, all contiguous.
+
+    One op rather than aten code for Inductor to fuse: on the H200 Inductor's kernels for
+    these reductions ran at about a third of the bandwidth of the two fused launches
+    (docs/perf-notes.md), even with the projection feeding them."""
+    kernel = quantize_kernel(q, fmt)
+    if kernel is not None:
+        try:
+            return kernel(q, k, v, sm_scale)
+        except Exception as err:  # never kill the model: same numbers from the formats code
+            _warn_once("quantize", f"fp4attn quantization kernel failed ({err!r}); using the formats code")
+    q8, q_scale = F.quantize_q(q, sm_scale)
+    k8, k_scale = F.quantize_k(k)
+    v_t, v_scale = F.quantize_v(v, fmt)
+    return tuple(t.contiguous() for t in (q8, q_scale, k8, k_scale, v_t, v_scale))
+
+
+@quantize.register_fake
+def _(q, k, v, sm_scale, fmt):
+    b, h, nq, d = q.shape
+    hkv, nk = k.shape[1], k.shape[2]
+    return (
+        q.new_empty(b, h, nq, d, dtype=torch.int8),
+        q.new_empty(b, h, nq, dtype=torch.float32),
+        q.new_empty(b, hkv, nk, d, dtype=torch.int8),
+        q.new_empty(b, hkv, (nk + F.SCALE_BLOCK - 1) // F.SCALE_BLOCK, dtype=torch.float32),
+        q.new_empty(b, hkv, d, nk, dtype=F.E4M3),
+        q.new_empty(b, hkv, dtype=torch.float32),
+    )
 
 
 @torch.library.custom_op("fp4attn::fwd", mutates_args=())

@@ -203,25 +203,33 @@ def decide(site: Site, options: Options, tuned: dict | None = None) -> Decision:
         return Decision(entry["path"], f"tuned on this GPU: {entry['speedup']:.2f}x, cosine {entry['cosine']:.4f}",
                         entry["speedup"])
     gpu = torch.cuda.get_device_name(device)
+    decision = cost_model_decision(shape, options.fmt, gpu)
+    table = table_for(gpu)
+    length = site.key_length()
+    if decision.predicted_speedup is None or not isinstance(length, torch.SymInt):
+        return decision
+    threshold = crossover_length(shape, options.fmt, table)
+    if threshold is None:
+        return decision
+    # Evaluating the comparison installs a guard on the symbolic length: a later size on
+    # the other side of the crossover recompiles with the other path instead of
+    # inheriting this size's decision.
+    wins = bool(length >= threshold)
+    note = f"; {options.fmt} from {threshold} keys (a size across the crossover recompiles)"
+    return Decision(options.fmt if wins else "bf16", decision.reason + note, decision.predicted_speedup)
+
+
+def cost_model_decision(shape: SiteShape, fmt: str, gpu: str) -> Decision:
+    """The cost model's choice for one static shape on the named GPU."""
     table = table_for(gpu)
     if table is None:
         return Decision("bf16", f"no measured cost table for {gpu}; run fp4_inductor.tune() or use policy='always'")
-    speedup = predict_speedup(shape, options.fmt, table)
+    speedup = predict_speedup(shape, fmt, table)
     if speedup is None:
         return Decision("bf16", f"cost table for {gpu} has no rate for {shape.table_key()}")
-    wins, note = speedup >= MIN_SPEEDUP, ""
-    length = site.key_length()
-    if isinstance(length, torch.SymInt):
-        threshold = crossover_length(shape, options.fmt, table)
-        if threshold is not None:
-            # Evaluating the comparison installs a guard on the symbolic length: a later
-            # size on the other side of the crossover recompiles with the other path
-            # instead of inheriting this size's decision.
-            wins = bool(length >= threshold)
-            note = f"; {options.fmt} from {threshold} keys (a size across the crossover recompiles)"
-    if wins:
-        return Decision(options.fmt, f"cost model: {speedup:.2f}x over BF16{note}", speedup)
-    return Decision("bf16", f"cost model: {options.fmt} would be {speedup:.2f}x of BF16{note}", speedup)
+    if speedup >= MIN_SPEEDUP:
+        return Decision(fmt, f"cost model: {speedup:.2f}x over BF16", speedup)
+    return Decision("bf16", f"cost model: {fmt} would be {speedup:.2f}x of BF16", speedup)
 
 
 _CROSSOVER_GRID = tuple(2**i for i in range(4, 21))

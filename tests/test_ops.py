@@ -15,11 +15,16 @@ from fp4_inductor.attention import _mask_to_log2_bias
 OPCHECK_UTILS = ("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic")
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """8-bit codes as uint8 (CPU float8 lacks comparison ops)."""
+    return t.view(torch.uint8) if t.dtype.itemsize == 1 else t
+
+
 def _opcheck(op, args):
-    before = [a.view(torch.uint8).clone() if a.dtype.itemsize == 1 else a.clone() for a in args if isinstance(a, torch.Tensor)]
+    before = [_bits(a).clone() for a in args if isinstance(a, torch.Tensor)]
     torch.library.opcheck(op, args, test_utils=OPCHECK_UTILS)
     op(*args)
-    after = [a.view(torch.uint8) if a.dtype.itemsize == 1 else a for a in args if isinstance(a, torch.Tensor)]
+    after = [_bits(a) for a in args if isinstance(a, torch.Tensor)]
     assert all(torch.equal(x, y) for x, y in zip(before, after))
 
 
@@ -30,6 +35,17 @@ def _fwd_args(b=2, h=4, hkv=2, nq=70, nk=150, d=64, causal=False, bias=False, p_
     v8t, vs = F.quantize_v(v, "fp4" if p_mode == "fp4" else "fp8")
     mask = _mask_to_log2_bias(torch.rand(b, 1, 1, nk) > 0.2) if bias else None
     return (q8, k8, v8t, qs, ks, vs, mask, causal, p_mode, torch.bfloat16)
+
+
+@pytest.mark.parametrize("fmt", F.FORMATS)
+def test_quantize_opcheck_and_matches_formats(fmt):
+    q, k, v = torch.randn(2, 4, 70, 64), torch.randn(2, 2, 150, 64), torch.randn(2, 2, 150, 64)
+    q = q.transpose(1, 2).contiguous().transpose(1, 2)  # a [B, N, H, D] layout, as projections give
+    _opcheck(torch.ops.fp4attn.quantize.default, (q, k, v, 0.125, fmt))
+    got = torch.ops.fp4attn.quantize(q, k, v, 0.125, fmt)
+    want = (*F.quantize_q(q, 0.125), *F.quantize_k(k), *F.quantize_v(v, fmt))
+    for g, w in zip(got, want):
+        assert g.is_contiguous() and g.dtype == w.dtype and torch.equal(_bits(g), _bits(w))
 
 
 @pytest.mark.parametrize("causal", [False, True])

@@ -1,5 +1,5 @@
-"""GPU kernels.  ``forward_kernel`` and ``backward_kernel`` return a launcher for the inputs' device, or None
-where no kernel applies (then the ops run the reference emulation).
+"""GPU kernels.  ``quantize_kernel``, ``forward_kernel`` and ``backward_kernel`` return a launcher for the
+inputs' device, or None where no kernel applies (then the ops run the reference emulation).
 
 ``FP4ATTN_KERNELS=0`` turns the kernels off (the reference runs instead), which is how
 to compare the two on one machine.
@@ -28,6 +28,15 @@ def _triton_forward():
 
 
 @functools.cache
+def _triton_quantize():
+    try:
+        from .triton import quantize
+    except ImportError:
+        return None
+    return quantize.quantize_inputs
+
+
+@functools.cache
 def _triton_backward():
     try:
         from .triton import attention_bwd
@@ -41,6 +50,14 @@ def has_forward_kernel(device: torch.device) -> bool:
     if os.environ.get("FP4ATTN_KERNELS", "1") == "0" or device.type != "cuda":
         return False
     return _is_sm90(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def quantize_kernel(q: torch.Tensor, fmt: str):
+    """The Triton sm_90 launcher quantizing Q, K and V for fmt="fp8" (D in {64, 128}), else None.
+    fp4's MXFP4 V is an accuracy mode and keeps the formats code."""
+    if fmt != "fp8" or not has_forward_kernel(q.device) or q.shape[-1] not in (64, 128):
+        return None
+    return _triton_quantize()
 
 
 def forward_kernel(q: torch.Tensor, p_mode: str):

@@ -51,18 +51,13 @@ import triton
 import triton.language as tl
 
 from ... import formats as F
-from .common import e2m1_round
+from .common import e2m1_round, max_propagate_nan
 
 _P_MODE_ID = {"direct": 0, "exp": 1, "fp4": 2}
 # Key tile = K scale block = dS tile width; query tile = Qe scale block = dS tile height.
 BLOCK_N = F.KEY_TILE
 BLOCK_M = F.DS_TILE[0]
 assert (BLOCK_M, BLOCK_N) == F.DS_TILE and F.KEY_TILE == F.SCALE_BLOCK == 128
-
-
-@triton.jit
-def _max_propagate_nan(a, b):
-    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit
@@ -106,7 +101,7 @@ def _probability_t(x, r, P_MODE: tl.constexpr, EMULATE: tl.constexpr,
     else:
         FP4_BLOCK: tl.constexpr = 32
         rel = tl.reshape(x - r[None, :], (BLOCK_N // FP4_BLOCK, FP4_BLOCK, BLOCK_M))
-        e = tl.math.ceil(tl.reduce(rel, 1, _max_propagate_nan))
+        e = tl.math.ceil(tl.reduce(rel, 1, max_propagate_nan))
         live = e > float("-inf")
         e = tl.where(live, e, 0.0)
         xc = rel - e[:, None, :] + 2.584962500721156  # log2(6)

@@ -21,16 +21,11 @@ import triton
 import triton.language as tl
 
 from ... import formats as F
-from .common import e2m1_round
+from .common import e2m1_round, max_propagate_nan
 
 _P_MODE_ID = {"direct": 0, "exp": 1, "fp4": 2}
 BLOCK_N = F.KEY_TILE  # one K scale per key tile: the tile must be the scale block
 assert F.KEY_TILE == F.SCALE_BLOCK == 128
-
-
-@triton.jit
-def _max_propagate_nan(a, b):
-    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit
@@ -82,7 +77,7 @@ def _probability(x, m_new, P_MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N:
     else:
         FP4_BLOCK: tl.constexpr = 32
         rel = tl.reshape(x - m_new[:, None], (BLOCK_M, BLOCK_N // FP4_BLOCK, FP4_BLOCK))
-        e = tl.math.ceil(tl.reduce(rel, 2, _max_propagate_nan))
+        e = tl.math.ceil(tl.reduce(rel, 2, max_propagate_nan))
         live = e > float("-inf")
         e = tl.where(live, e, 0.0)
         xc = rel - e[:, :, None] + 2.584962500721156  # log2(6)
@@ -191,7 +186,7 @@ def _update(
         if CAUSAL:
             ok = ok & ((start_n + offs_key)[None, :] <= offs_m[:, None])
         x = tl.where(ok, x, float("-inf"))
-    m_new = tl.maximum(m_i, tl.math.ceil(tl.reduce(x, 1, _max_propagate_nan)),
+    m_new = tl.maximum(m_i, tl.math.ceil(tl.reduce(x, 1, max_propagate_nan)),
                        propagate_nan=tl.PropagateNan.ALL)
     # Rows still fully masked keep m = -inf and alpha = 1; NaN rows stay NaN.
     alpha = tl.where(m_new == m_i, 1.0, tl.math.exp2(m_i - m_new))

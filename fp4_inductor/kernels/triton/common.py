@@ -1,4 +1,4 @@
-"""Triton helpers shared by the forward and backward kernels."""
+"""Triton helpers shared by the kernels."""
 
 import triton
 import triton.language as tl
@@ -15,3 +15,9 @@ def e2m1_round(u):
     q += tl.where(u > 3.5, 1.0, 0.0)
     q += tl.where(u > 5.0, 2.0, 0.0)
     return q
+
+
+@triton.jit
+def max_propagate_nan(a, b):
+    """Combine function for NaN-propagating max reductions (torch.amax's semantics)."""
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)

@@ -1,0 +1,197 @@
+"""Hopper quantization of Q, K and V for the forward op: two launches, no atomics.
+
+Computes ``formats.quantize_q``, ``quantize_k`` and ``quantize_v(fmt="fp8")``:
+
+1. ``_kv_stats``: per (batch, KV head, chunk of tokens) the column sums of K (for the
+   smoothing mean) and the absolute maximum of V (for its per-head scale), as partials.
+2. ``_quantize``: programs of three kinds, each on one small tile: Q rows (INT8, a scale
+   per token), one 128-token K block (smoothed INT8, one scale), V rows (E4M3 with the
+   head's scale, stored K-major).  K and V programs first reduce the partials in a fixed
+   order, so the result is deterministic.
+
+Bytes: Q read once, K and V twice, the 8-bit codes written once.  Divisions are IEEE
+(``div_rn``) and rounding is to nearest even, as in the eager formulas; only K's mean is
+summed in another order, so a K code can differ from the eager one by one step when its
+scaled value lies within float32 rounding of a half-integer.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from ... import formats as F
+from .common import max_propagate_nan
+
+# Tile rows per program: about 100 registers a thread at 8 warps, two programs per SM.
+_Q_ROWS, _K_TILE, _V_ROWS = 16, 16, 32
+_STATS_TILE = 32
+
+
+@triton.jit
+def _kv_stats(K, V, KSUM, VMAX, HKV, N, CHUNK,
+              stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd,
+              HEAD_DIM: tl.constexpr, TILE: tl.constexpr):
+    bh = tl.program_id(0)
+    chunk = tl.program_id(1)
+    b = (bh // HKV).to(tl.int64)
+    h = (bh % HKV).to(tl.int64)
+    offs_d = tl.arange(0, HEAD_DIM)
+    k_base = K + b * stride_kb + h * stride_kh + offs_d[None, :] * stride_kd
+    v_base = V + b * stride_vb + h * stride_vh + offs_d[None, :] * stride_vd
+    k_sum = tl.zeros([HEAD_DIM], tl.float32)
+    v_max = tl.zeros([TILE, HEAD_DIM], tl.float32)
+    start = chunk * CHUNK
+    for n0 in range(start, tl.minimum(start + CHUNK, N), TILE):
+        rows = n0 + tl.arange(0, TILE)
+        inside = rows[:, None] < N
+        k = tl.load(k_base + rows[:, None].to(tl.int64) * stride_kn, mask=inside, other=0.0).to(tl.float32)
+        v = tl.load(v_base + rows[:, None].to(tl.int64) * stride_vn, mask=inside, other=0.0).to(tl.float32)
+        k_sum += tl.sum(k, axis=0)
+        v_max = tl.maximum(v_max, tl.abs(v), propagate_nan=tl.PropagateNan.ALL)
+    partial = bh * tl.num_programs(1) + chunk
+    tl.store(KSUM + partial * HEAD_DIM + offs_d, k_sum)
+    tl.store(VMAX + partial, tl.reduce(v_max, None, max_propagate_nan))
+
+
+@triton.jit
+def _amax_scale(amax, fmax):
+    """formats._amax_scale: an all-zero block gets scale 1, NaN/Inf stay in the scale."""
+    return tl.where(amax == 0, 1.0, tl.math.div_rn(amax, fmax))
+
+
+@triton.jit
+def _round_int8(x):
+    return tl.clamp(libdevice.rint(x), -127.0, 127.0).to(tl.int8)
+
+
+@triton.jit
+def _q_rows(pid, Q, Q8, QS, sm_scale, H, NQ, stride_qb, stride_qh, stride_qn, stride_qd,
+            HEAD_DIM: tl.constexpr, ROWS: tl.constexpr):
+    offs_d = tl.arange(0, HEAD_DIM)
+    blocks = tl.cdiv(NQ, ROWS)
+    bh = pid // blocks
+    rows = (pid % blocks) * ROWS + tl.arange(0, ROWS)
+    inside = rows < NQ
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    ptrs = Q + b * stride_qb + h * stride_qh + rows[:, None].to(tl.int64) * stride_qn + offs_d[None, :] * stride_qd
+    x = tl.load(ptrs, mask=inside[:, None], other=0.0).to(tl.float32) * sm_scale
+    scale = _amax_scale(tl.reduce(tl.abs(x), 1, max_propagate_nan), 127.0)
+    row_index = bh.to(tl.int64) * NQ + rows
+    tl.store(Q8 + row_index[:, None] * HEAD_DIM + offs_d[None, :], _round_int8(tl.math.div_rn(x, scale[:, None])),
+             mask=inside[:, None])
+    tl.store(QS + row_index, scale, mask=inside)
+
+
+@triton.jit
+def _k_block(pid, K, K8, KS, KSUM, inv_nk, HKV, NK, N_CHUNKS, stride_kb, stride_kh, stride_kn, stride_kd,
+             HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, TILE: tl.constexpr):
+    # The block is read twice in TILE-row pieces (the second time from cache): its scale
+    # needs the whole block, which in registers would take all 255 a thread has.
+    offs_d = tl.arange(0, HEAD_DIM)
+    blocks = tl.cdiv(NK, ROWS)
+    bh = pid // blocks
+    block = pid % blocks
+    b = (bh // HKV).to(tl.int64)
+    h = (bh % HKV).to(tl.int64)
+    k_sum = tl.zeros([HEAD_DIM], tl.float32)
+    for c in range(N_CHUNKS):
+        k_sum += tl.load(KSUM + (bh * N_CHUNKS + c) * HEAD_DIM + offs_d)
+    mean = k_sum * inv_nk  # as torch's mean: the sum times 1/N
+    base = K + b * stride_kb + h * stride_kh + offs_d[None, :] * stride_kd
+    amax = tl.zeros([TILE, HEAD_DIM], tl.float32)
+    for r in range(0, ROWS, TILE):
+        rows = block * ROWS + r + tl.arange(0, TILE)
+        k = tl.load(base + rows[:, None].to(tl.int64) * stride_kn, mask=rows[:, None] < NK, other=0.0).to(tl.float32)
+        k = tl.where(rows[:, None] < NK, k - mean[None, :], 0.0)  # zero padded after smoothing
+        amax = tl.maximum(amax, tl.abs(k), propagate_nan=tl.PropagateNan.ALL)
+    scale = _amax_scale(tl.reduce(amax, None, max_propagate_nan), 127.0)
+    for r in range(0, ROWS, TILE):
+        rows = block * ROWS + r + tl.arange(0, TILE)
+        inside = rows[:, None] < NK
+        k = tl.load(base + rows[:, None].to(tl.int64) * stride_kn, mask=inside, other=0.0).to(tl.float32) - mean[None, :]
+        row_index = bh.to(tl.int64) * NK + rows
+        tl.store(K8 + row_index[:, None] * HEAD_DIM + offs_d[None, :], _round_int8(tl.math.div_rn(k, scale)), mask=inside)
+    tl.store(KS + bh * blocks + block, scale)
+
+
+@triton.jit
+def _v_rows(pid, V, VT, VS, VMAX, HKV, NK, N_CHUNKS, stride_vb, stride_vh, stride_vn, stride_vd,
+            HEAD_DIM: tl.constexpr, ROWS: tl.constexpr):
+    offs_d = tl.arange(0, HEAD_DIM)
+    blocks = tl.cdiv(NK, ROWS)
+    bh = pid // blocks
+    rows = (pid % blocks) * ROWS + tl.arange(0, ROWS)
+    inside = rows < NK
+    b = (bh // HKV).to(tl.int64)
+    h = (bh % HKV).to(tl.int64)
+    amax = tl.zeros([1], tl.float32)
+    for c in range(N_CHUNKS):
+        amax = tl.maximum(amax, tl.load(VMAX + bh * N_CHUNKS + c + tl.zeros([1], tl.int32)),
+                          propagate_nan=tl.PropagateNan.ALL)
+    scale = _amax_scale(amax, 448.0)
+    ptrs = V + b * stride_vb + h * stride_vh + rows[:, None].to(tl.int64) * stride_vn + offs_d[None, :] * stride_vd
+    v = tl.load(ptrs, mask=inside[:, None], other=0.0).to(tl.float32)
+    v8 = tl.clamp(tl.math.div_rn(v, scale[:, None]), -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
+    # K-major store: the tile goes out transposed, tokens contiguous.
+    v_index = bh.to(tl.int64) * HEAD_DIM * NK + offs_d[None, :].to(tl.int64) * NK + rows[:, None]
+    tl.store(VT + v_index, v8.to(tl.float8e4nv), mask=inside[:, None])
+    tl.store(VS + bh + tl.zeros([1], tl.int32), scale, mask=pid % blocks == 0)
+
+
+@triton.jit
+def _quantize(Q, K, V, Q8, QS, K8, KS, VT, VS, KSUM, VMAX,
+              sm_scale, inv_nk, H, HKV, NQ, NK, N_Q_PROGRAMS, N_K_PROGRAMS, N_CHUNKS,
+              stride_qb, stride_qh, stride_qn, stride_qd,
+              stride_kb, stride_kh, stride_kn, stride_kd,
+              stride_vb, stride_vh, stride_vn, stride_vd,
+              HEAD_DIM: tl.constexpr, Q_ROWS: tl.constexpr, K_BLOCK: tl.constexpr, K_TILE: tl.constexpr,
+              V_ROWS: tl.constexpr):
+    # Three kinds of programs, each on one small tile (few registers, many programs in flight).
+    pid = tl.program_id(0)
+    if pid < N_Q_PROGRAMS:
+        _q_rows(pid, Q, Q8, QS, sm_scale, H, NQ, stride_qb, stride_qh, stride_qn, stride_qd, HEAD_DIM, Q_ROWS)
+    elif pid < N_Q_PROGRAMS + N_K_PROGRAMS:
+        _k_block(pid - N_Q_PROGRAMS, K, K8, KS, KSUM, inv_nk, HKV, NK, N_CHUNKS,
+                 stride_kb, stride_kh, stride_kn, stride_kd, HEAD_DIM, K_BLOCK, K_TILE)
+    else:
+        _v_rows(pid - N_Q_PROGRAMS - N_K_PROGRAMS, V, VT, VS, VMAX, HKV, NK, N_CHUNKS,
+                stride_vb, stride_vh, stride_vn, stride_vd, HEAD_DIM, V_ROWS)
+
+
+def quantize_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float):
+    """(q8, q_scale, k8, k_scale, v_t, v_scale) as ``formats`` defines them for fmt="fp8",
+    from ``[B, H, N, D]`` views with any strides; outputs are contiguous."""
+    b, h, nq, d = q.shape
+    hkv, nk = k.shape[1], k.shape[2]
+    dev = q.device
+    q8 = torch.empty(b, h, nq, d, dtype=torch.int8, device=dev)
+    q_scale = torch.empty(b, h, nq, dtype=torch.float32, device=dev)
+    k8 = torch.empty(b, hkv, nk, d, dtype=torch.int8, device=dev)
+    k_scale = torch.empty(b, hkv, triton.cdiv(nk, F.SCALE_BLOCK), dtype=torch.float32, device=dev)
+    v_t = torch.empty(b, hkv, d, nk, dtype=F.E4M3, device=dev)
+    v_scale = torch.empty(b, hkv, dtype=torch.float32, device=dev)
+    if q8.numel() == 0 or k8.numel() == 0:
+        return q8, q_scale, k8, k_scale, v_t, v_scale
+
+    # Enough stats programs to fill the GPU a few times over; chunks a multiple of the tile.
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    tiles = triton.cdiv(nk, _STATS_TILE)
+    chunks = max(1, min(tiles, triton.cdiv(4 * sms, b * hkv)))
+    chunk = triton.cdiv(tiles, chunks) * _STATS_TILE
+    chunks = triton.cdiv(nk, chunk)
+    k_sum = torch.empty(b * hkv, chunks, d, dtype=torch.float32, device=dev)
+    v_max = torch.empty(b * hkv, chunks, dtype=torch.float32, device=dev)
+    _kv_stats[(b * hkv, chunks)](k, v, k_sum, v_max, hkv, nk, chunk, *k.stride(), *v.stride(),
+                                 HEAD_DIM=d, TILE=_STATS_TILE, num_warps=4, num_stages=1)
+    q_programs = b * h * triton.cdiv(nq, _Q_ROWS)
+    k_programs = b * hkv * triton.cdiv(nk, F.SCALE_BLOCK)
+    grid = (q_programs + k_programs + b * hkv * triton.cdiv(nk, _V_ROWS),)
+    _quantize[grid](q, k, v, q8, q_scale, k8, k_scale, v_t, v_scale, k_sum, v_max,
+                    float(sm_scale), 1.0 / nk, h, hkv, nq, nk, q_programs, k_programs, chunks,
+                    *q.stride(), *k.stride(), *v.stride(),
+                    HEAD_DIM=d, Q_ROWS=_Q_ROWS, K_BLOCK=F.SCALE_BLOCK, K_TILE=_K_TILE, V_ROWS=_V_ROWS, num_warps=8, num_stages=1)
+    return q8, q_scale, k8, k_scale, v_t, v_scale

@@ -1,0 +1,119 @@
+"""The Triton quantization kernel against the formats code run on the CPU.
+
+The CPU is the reference because its float32 division is IEEE everywhere (eager CUDA
+divides by a Python scalar as a multiplication by its reciprocal).  Q and V go through the
+same float32 operations in the same order (IEEE division, round to nearest even), so
+their codes and scales must be bit-identical.  K's smoothing
+mean is summed in another order, so a K code may move by one step where its scaled value
+lies within float32 rounding of a half-integer: at most one code in 10^4, never more than
+one step, scales within 1e-6.  Outputs come from memory the test filled with 0xFF first.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fp4_inductor import formats as F
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() != (9, 0),
+                       reason="the Triton kernels target sm_90 (Hopper)"),
+]
+
+
+def _poison_allocator():
+    """Fill the caching allocator's free memory with 0xFF so that unwritten outputs show."""
+    block = torch.empty(256 << 20, dtype=torch.uint8, device="cuda").fill_(255)
+    del block
+
+
+def _launch(q, k, v, sm_scale):
+    from fp4_inductor.kernels.triton.quantize import quantize_inputs
+
+    _poison_allocator()
+    return quantize_inputs(q, k, v, sm_scale)
+
+
+def _inputs(b, h, hkv, nq, nk, d, dtype, layout):
+    def make(heads, n):
+        x = torch.randn(b, n, heads, d, device="cuda", dtype=dtype) * 3 + 0.5  # a channel offset to smooth
+        return x.transpose(1, 2) if layout == "bnhd" else x.transpose(1, 2).contiguous()
+
+    return make(h, nq), make(hkv, nk), make(hkv, nk)
+
+
+def _bits(t):
+    return t.view(torch.uint8) if t.dtype.itemsize == 1 else t
+
+
+def _reference(q, k, v, sm_scale):
+    """formats on the CPU, moved back to the GPU."""
+    q8, qs = F.quantize_q(q.cpu(), sm_scale)
+    k8, ks = F.quantize_k(k.cpu())
+    vt, vs = F.quantize_v(v.cpu(), "fp8")
+    return tuple(t.cuda() for t in (q8, qs, k8, ks, vt, vs))
+
+
+def _check_k(k8, k_scale, k8_ref, k_scale_ref):
+    torch.testing.assert_close(k_scale, k_scale_ref, rtol=1e-6, atol=0)
+    diff = (k8.int() - k8_ref.int()).abs()
+    assert diff.max().item() <= 1
+    assert (diff > 0).float().mean().item() <= 1e-4
+
+
+SHAPES = [(1, 1, 1, 1, 1), (2, 4, 2, 113, 203), (1, 8, 1, 799, 1023), (2, 4, 4, 4224, 4224), (1, 2, 2, 128, 65536)]
+
+
+@pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "b{}h{}kv{}q{}k{}".format(*s))
+def test_matches_formats(shape, d, layout):
+    q, k, v = _inputs(*shape, d, torch.bfloat16, layout)
+    sm_scale = d ** -0.5
+    q8, qs, k8, ks, vt, vs = _launch(q, k, v, sm_scale)
+    q8_ref, qs_ref, k8_ref, ks_ref, vt_ref, vs_ref = _reference(q, k, v, sm_scale)
+    assert torch.equal(q8, q8_ref) and torch.equal(qs, qs_ref)
+    assert torch.equal(_bits(vt), _bits(vt_ref)) and torch.equal(vs, vs_ref)
+    _check_k(k8, ks, k8_ref, ks_ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_other_input_dtypes(dtype):
+    q, k, v = _inputs(2, 4, 2, 300, 300, 128, dtype, "bnhd")
+    q8, qs, k8, ks, vt, vs = _launch(q, k, v, 0.09)
+    q8_ref, qs_ref, k8_ref, ks_ref, vt_ref, vs_ref = _reference(q, k, v, 0.09)
+    assert torch.equal(q8, q8_ref) and torch.equal(qs, qs_ref) and torch.equal(_bits(vt), _bits(vt_ref))
+    _check_k(k8, ks, k8_ref, ks_ref)
+
+
+def test_nan_and_zero_blocks_like_formats():
+    q, k, v = _inputs(1, 2, 2, 300, 300, 64, torch.bfloat16, "bhnd")
+    q[0, 0, 5, 3] = float("nan")
+    k[0, 1, 7, 0] = float("nan")
+    v[0, 0, 250, 9] = float("nan")
+    q[0, 1, 9] = 0  # an all-zero row gets scale 1
+    q8, qs, k8, ks, vt, vs = _launch(q, k, v, 0.125)
+    q8_ref, qs_ref, k8_ref, ks_ref, vt_ref, vs_ref = _reference(q, k, v, 0.125)
+    torch.testing.assert_close(qs, qs_ref, rtol=0, atol=0, equal_nan=True)
+    assert qs[0, 1, 9].item() == 1.0
+    torch.testing.assert_close(ks, ks_ref, rtol=1e-6, atol=0, equal_nan=True)
+    assert ks[0, 1].isnan().all() and not ks[0, 0].isnan().any()
+    assert vs[0, 0].isnan() and not vs[0, 1].isnan()
+    assert torch.equal(q8[0, 1], q8_ref[0, 1])
+
+
+def test_op_dispatches_to_kernel_under_compile():
+    from torch.profiler import ProfilerActivity, profile
+
+    q, k, v = _inputs(2, 4, 2, 256, 256, 128, torch.bfloat16, "bnhd")
+    fn = torch.compile(lambda q, k, v: torch.ops.fp4attn.quantize(q, k, v, 0.1, "fp8"), fullgraph=True)
+    fn(q, k, v)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        got = fn(q, k, v)
+        torch.cuda.synchronize()
+    names = {e.name for e in prof.events()}
+    assert any("_quantize" in n for n in names) and any("_kv_stats" in n for n in names)
+    assert torch.equal(got[0], F.quantize_q(q.cpu(), 0.1)[0].cuda())
