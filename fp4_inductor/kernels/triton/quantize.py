@@ -9,8 +9,9 @@ Computes ``formats.quantize_q``, ``quantize_k`` and ``quantize_v(fmt="fp8")``:
    head's scale, stored K-major).  K and V programs first reduce the partials in a fixed
    order, so the result is deterministic.
 
-Bytes: Q read once, K and V twice, the 8-bit codes written once.  Divisions are IEEE
-(``div_rn``) and rounding is to nearest even, as in the eager formulas; only K's mean is
+Bytes: Q read once, K and V twice, the 8-bit codes written once.  Values are scaled as
+``formats._per_scale`` does (an IEEE reciprocal per scale, then a multiplication) and
+rounded to nearest even; only K's mean is
 summed in another order, so a K code can differ from the eager one by one step when its
 scaled value lies within float32 rounding of a half-integer.
 """
@@ -63,6 +64,12 @@ def _amax_scale(amax, fmax):
 
 
 @triton.jit
+def _per_scale(x, scale):
+    """formats._per_scale: one IEEE division per scale, a multiplication per element."""
+    return x * tl.math.div_rn(1.0, scale)
+
+
+@triton.jit
 def _round_int8(x):
     return tl.clamp(libdevice.rint(x), -127.0, 127.0).to(tl.int8)
 
@@ -81,7 +88,7 @@ def _q_rows(pid, Q, Q8, QS, sm_scale, H, NQ, stride_qb, stride_qh, stride_qn, st
     x = tl.load(ptrs, mask=inside[:, None], other=0.0).to(tl.float32) * sm_scale
     scale = _amax_scale(tl.reduce(tl.abs(x), 1, max_propagate_nan), 127.0)
     row_index = bh.to(tl.int64) * NQ + rows
-    tl.store(Q8 + row_index[:, None] * HEAD_DIM + offs_d[None, :], _round_int8(tl.math.div_rn(x, scale[:, None])),
+    tl.store(Q8 + row_index[:, None] * HEAD_DIM + offs_d[None, :], _round_int8(_per_scale(x, scale[:, None])),
              mask=inside[:, None])
     tl.store(QS + row_index, scale, mask=inside)
 
@@ -114,7 +121,7 @@ def _k_block(pid, K, K8, KS, KSUM, inv_nk, HKV, NK, N_CHUNKS, stride_kb, stride_
         inside = rows[:, None] < NK
         k = tl.load(base + rows[:, None].to(tl.int64) * stride_kn, mask=inside, other=0.0).to(tl.float32) - mean[None, :]
         row_index = bh.to(tl.int64) * NK + rows
-        tl.store(K8 + row_index[:, None] * HEAD_DIM + offs_d[None, :], _round_int8(tl.math.div_rn(k, scale)), mask=inside)
+        tl.store(K8 + row_index[:, None] * HEAD_DIM + offs_d[None, :], _round_int8(_per_scale(k, scale)), mask=inside)
     tl.store(KS + bh * blocks + block, scale)
 
 
@@ -135,7 +142,7 @@ def _v_rows(pid, V, VT, VS, VMAX, HKV, NK, N_CHUNKS, stride_vb, stride_vh, strid
     scale = _amax_scale(amax, 448.0)
     ptrs = V + b * stride_vb + h * stride_vh + rows[:, None].to(tl.int64) * stride_vn + offs_d[None, :] * stride_vd
     v = tl.load(ptrs, mask=inside[:, None], other=0.0).to(tl.float32)
-    v8 = tl.clamp(tl.math.div_rn(v, scale[:, None]), -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
+    v8 = tl.clamp(_per_scale(v, scale[:, None]), -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
     # K-major store: the tile goes out transposed, tokens contiguous.
     v_index = bh.to(tl.int64) * HEAD_DIM * NK + offs_d[None, :].to(tl.int64) * NK + rows[:, None]
     tl.store(VT + v_index, v8.to(tl.float8e4nv), mask=inside[:, None])
