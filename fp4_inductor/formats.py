@@ -1,8 +1,8 @@
 """Quantization numerics: the single source of truth for every kernel and the reference.
 
-Everything here is plain torch code.  The same functions quantize inputs inside the
-rewritten graph (where Inductor fuses them into the producers) and define, in
-`reference.py`, what the GPU kernels must compute bit for bit.
+Everything here is plain torch code.  These functions are what ``fp4attn::quantize``
+computes where no kernel runs, what its Triton kernel must match bit for bit, and, with
+``reference.py``, what the attention kernels must compute.
 
 Conventions (both formats):
 - Q and K are INT8 (Q per token, smoothed K per 128-token block); V, P, dS are E4M3
