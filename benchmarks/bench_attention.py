@@ -3,7 +3,7 @@
     python benchmarks/bench_attention.py [--ns 512 1024 ...] [--ds 64 128]
 
 FlashAttention-3's grid: B * N = 16384 tokens, H * D = 2048, D in {64, 128},
-N in {512 .. 16k}, causal off and on.  Rows, all timed in the same run with
+N in {512 .. 32k}, causal off and on.  Rows, all timed in the same run with
 triton.testing.do_bench medians:
   - ours, P mode direct / exp / fp4: the kernel alone on quantized operands, and
     "+quant": the fp4attn::quantize op (what the backend runs) plus the kernel;
@@ -310,7 +310,7 @@ def plot(doc, path):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--ns", type=int, nargs="*", default=[512, 1024, 2048, 4096, 8192, 16384])
+    ap.add_argument("--ns", type=int, nargs="*", default=[512, 1024, 2048, 4096, 8192, 16384, 32768])
     ap.add_argument("--ds", type=int, nargs="*", default=[128, 64])
     ap.add_argument("--out", default=os.path.join(C.ROOT, "benchmarks", "results", "forward_h200"))
     args = ap.parse_args()
