@@ -43,17 +43,12 @@ NOT_INSTALLED = "not installed"
 # ------------------------------------------------------------------ ours
 
 
-def _quantize(q, k, v, sm_scale, fmt):
-    q8, qs, k8, ks, vt, vs = torch.ops.fp4attn.quantize(q, k, v, sm_scale, fmt)
-    return q8, k8, vt, qs, ks, vs
-
-
 def ours(mode, with_quant):
     def setup(q, k, v, causal):
         b, h, n, d = q.shape
         sm_scale = 1.0 / math.sqrt(d)
         fmt = "fp4" if mode == "fp4" else "fp8"
-        quant = functools.partial(_quantize, fmt=fmt)
+        quant = functools.partial(torch.ops.fp4attn.quantize, fmt=fmt)
         ops = quant(q, k, v, sm_scale)
         out, lse = C.empty_outputs(b, h, n, d, dtype=q.dtype)
         config = A.tuned_config(d, causal, n)

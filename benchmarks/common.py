@@ -35,10 +35,7 @@ def quantized_inputs(b, h, hkv, nq, nk, d, p_mode, device="cuda", dtype=torch.bf
     k = torch.randn(b, hkv, nk, d, device=device, dtype=dtype)
     v = torch.randn(b, hkv, nk, d, device=device, dtype=dtype)
     scale = d ** -0.5 if sm_scale is None else sm_scale
-    q8, qs = F.quantize_q(q, scale)
-    k8, ks = F.quantize_k(k)
-    vt, vs = F.quantize_v(v, "fp4" if p_mode == "fp4" else "fp8")
-    return (q, k, v), (q8, k8, vt, qs, ks, vs)
+    return (q, k, v), F.quantize_inputs(q, k, v, scale, "fp4" if p_mode == "fp4" else "fp8")
 
 
 def empty_outputs(b, h, nq, d, dtype=torch.bfloat16, device="cuda", fill=float("nan")):

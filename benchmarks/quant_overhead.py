@@ -34,13 +34,6 @@ from fp4_inductor import formats as F
 BANDWIDTH = 4.26e12  # bytes/s, copy bandwidth measured on the H200
 
 
-def formats_quantize(q, k, v, sm_scale, fmt):
-    q8, qs = F.quantize_q(q, sm_scale)
-    k8, ks = F.quantize_k(k)
-    vt, vs = F.quantize_v(v, fmt)
-    return q8, qs, k8, ks, vt, vs
-
-
 def kernel_times(fn) -> dict[str, float]:
     """Device time per kernel name for one call, in microseconds: where the time goes."""
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -82,7 +75,7 @@ def main() -> None:
     results["quantize_us"]["byte_floor"] = (q.numel() * 2 * 5 + q.numel() * 3) / BANDWIDTH * 1e6
     variants = {
         "op": lambda: torch.ops.fp4attn.quantize(q, k, v, sm_scale, "fp8"),
-        "inductor": torch.compile(lambda: formats_quantize(q, k, v, sm_scale, "fp8")),
+        "inductor": torch.compile(lambda: F.quantize_inputs(q, k, v, sm_scale, "fp8")),
     }
     for name, fn in variants.items():
         fn()
@@ -103,7 +96,7 @@ def main() -> None:
         for name, backend, cudagraphs, aten_quant in runs:
             label = f"{'rope ' if rotary else ''}{name}"
             torch._dynamo.reset()
-            patch = mock.patch.object(torch.ops.fp4attn, "quantize", formats_quantize) if aten_quant else contextlib.nullcontext()
+            patch = mock.patch.object(torch.ops.fp4attn, "quantize", F.quantize_inputs) if aten_quant else contextlib.nullcontext()
             # No compile caches: with the op patched out the graph's cache key is unchanged.
             config = {"triton.cudagraphs": cudagraphs, "fx_graph_cache": False}
             with torch.no_grad(), patch, torch._inductor.config.patch(config), \

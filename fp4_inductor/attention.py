@@ -54,10 +54,10 @@ def combine_masks(attn_mask, bias_terms, keep_masks, drop_masks):
 class _LowPrecisionAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, bias, sm_scale, causal, fmt, p_mode):
-        out_dtype, q_scaled, op_scale = q.dtype, q, sm_scale
+        out_dtype, op_scale = q.dtype, sm_scale
         if not isinstance(sm_scale, (int, float)):  # a tensor or symbolic scale: fold it in first
-            q_scaled, op_scale = q.float() * sm_scale, 1.0
-        q8, q_scale, k8, k_scale, v8t, v_scale = torch.ops.fp4attn.quantize(q_scaled, k, v, float(op_scale), fmt)
+            q, op_scale = q.float() * sm_scale, 1.0
+        q8, k8, v8t, q_scale, k_scale, v_scale = torch.ops.fp4attn.quantize(q, k, v, float(op_scale), fmt)
         out, lse = torch.ops.fp4attn.fwd(q8, k8, v8t, q_scale, k_scale, v_scale, bias, causal, p_mode, out_dtype)
         ctx.save_for_backward(q8, k8, v8t, q_scale, k_scale, v_scale, bias, out, lse)
         ctx.sm_scale, ctx.causal, ctx.p_mode = sm_scale, causal, p_mode

@@ -167,6 +167,14 @@ def quantize_v(v: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
     return codes.transpose(-1, -2).contiguous(), scale
 
 
+def quantize_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale, fmt: str):
+    """The forward op's operands ``(q8, k8, v_t, q_scale, k_scale, v_scale)`` from Q, K, V."""
+    q8, q_scale = quantize_q(q, sm_scale)
+    k8, k_scale = quantize_k(k)
+    v_t, v_scale = quantize_v(v, fmt)
+    return q8, k8, v_t, q_scale, k_scale, v_scale
+
+
 def e2m1_round(u: torch.Tensor) -> torch.Tensor:
     """Round non-negative values to the nearest E2M1 magnitude (ties round down)."""
     out = torch.zeros_like(u)

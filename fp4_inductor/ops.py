@@ -35,22 +35,20 @@ def _bnhd_empty(like: torch.Tensor, heads: int, rows: int, dim: int, dtype: torc
 def quantize(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, fmt: str
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(q8, q_scale, k8, k_scale, v_t, v_scale)``: ``formats.quantize_q(q, sm_scale)``,
-    ``quantize_k(k)`` and ``quantize_v(v, fmt)``, all contiguous.
+    """``formats.quantize_inputs``: the forward op's operands ``(q8, k8, v_t, q_scale,
+    k_scale, v_scale)``, all contiguous.
 
     One op rather than aten code for Inductor to fuse: on the H200 Inductor's kernels for
-    these cross-row reductions took 239 us where the op's two launches take 172, and the
-    op still won where Inductor could fuse RoPE into the aten code (docs/perf-notes.md)."""
+    these cross-row reductions took 232-239 us where the op's two launches take 172-176;
+    where Inductor could fuse RoPE into the aten code the two were within run-to-run
+    spread (docs/perf-notes.md)."""
     kernel = quantize_kernel(q, fmt)
     if kernel is not None:
         try:
             return kernel(q, k, v, sm_scale)
         except Exception as err:  # never kill the model: same numbers from the formats code
             _warn_once("quantize", f"fp4attn quantization kernel failed ({err!r}); using the formats code")
-    q8, q_scale = F.quantize_q(q, sm_scale)
-    k8, k_scale = F.quantize_k(k)
-    v_t, v_scale = F.quantize_v(v, fmt)
-    return tuple(t.contiguous() for t in (q8, q_scale, k8, k_scale, v_t, v_scale))
+    return tuple(t.contiguous() for t in F.quantize_inputs(q, k, v, sm_scale, fmt))
 
 
 @quantize.register_fake
@@ -59,10 +57,10 @@ def _(q, k, v, sm_scale, fmt):
     hkv, nk = k.shape[1], k.shape[2]
     return (
         q.new_empty(b, h, nq, d, dtype=torch.int8),
-        q.new_empty(b, h, nq, dtype=torch.float32),
         q.new_empty(b, hkv, nk, d, dtype=torch.int8),
-        q.new_empty(b, hkv, (nk + F.SCALE_BLOCK - 1) // F.SCALE_BLOCK, dtype=torch.float32),
         q.new_empty(b, hkv, d, nk, dtype=F.E4M3),
+        q.new_empty(b, h, nq, dtype=torch.float32),
+        q.new_empty(b, hkv, (nk + F.SCALE_BLOCK - 1) // F.SCALE_BLOCK, dtype=torch.float32),
         q.new_empty(b, hkv, dtype=torch.float32),
     )
 

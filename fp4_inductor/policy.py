@@ -204,19 +204,17 @@ def decide(site: Site, options: Options, tuned: dict | None = None) -> Decision:
                         entry["speedup"])
     gpu = torch.cuda.get_device_name(device)
     decision = cost_model_decision(shape, options.fmt, gpu)
-    table = table_for(gpu)
     length = site.key_length()
     if decision.predicted_speedup is None or not isinstance(length, torch.SymInt):
         return decision
-    threshold = crossover_length(shape, options.fmt, table)
+    threshold = crossover_length(shape, options.fmt, table_for(gpu))
     if threshold is None:
         return decision
     # Evaluating the comparison installs a guard on the symbolic length: a later size on
     # the other side of the crossover recompiles with the other path instead of
     # inheriting this size's decision.
-    wins = bool(length >= threshold)
-    note = f"; {options.fmt} from {threshold} keys (a size across the crossover recompiles)"
-    return Decision(options.fmt if wins else "bf16", decision.reason + note, decision.predicted_speedup)
+    return _verdict(options.fmt, decision.predicted_speedup, bool(length >= threshold),
+                    f"; {options.fmt} from {threshold} keys (a size across the crossover recompiles)")
 
 
 def cost_model_decision(shape: SiteShape, fmt: str, gpu: str) -> Decision:
@@ -227,9 +225,13 @@ def cost_model_decision(shape: SiteShape, fmt: str, gpu: str) -> Decision:
     speedup = predict_speedup(shape, fmt, table)
     if speedup is None:
         return Decision("bf16", f"cost table for {gpu} has no rate for {shape.table_key()}")
-    if speedup >= MIN_SPEEDUP:
-        return Decision(fmt, f"cost model: {speedup:.2f}x over BF16", speedup)
-    return Decision("bf16", f"cost model: {fmt} would be {speedup:.2f}x of BF16", speedup)
+    return _verdict(fmt, speedup, speedup >= MIN_SPEEDUP)
+
+
+def _verdict(fmt: str, speedup: float, wins: bool, note: str = "") -> Decision:
+    if wins:
+        return Decision(fmt, f"cost model: {speedup:.2f}x over BF16{note}", speedup)
+    return Decision("bf16", f"cost model: {fmt} would be {speedup:.2f}x of BF16{note}", speedup)
 
 
 _CROSSOVER_GRID = tuple(2**i for i in range(4, 21))

@@ -11,6 +11,11 @@ from fp4_inductor import formats as F
 from fp4_inductor.attention import MASKED_LOG2
 
 
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """8-bit codes as uint8, to compare exactly (CPU float8 lacks comparison ops)."""
+    return t.view(torch.uint8) if t.dtype.itemsize == 1 else t
+
+
 def rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
@@ -50,9 +55,7 @@ def quantized_operands(b, h, hkv, nq, nk, d, p_mode, bias_kind=None, scale=1.0):
     q = torch.randn(b, h, nq, d) * scale
     k = torch.randn(b, hkv, nk, d) * scale
     v = torch.randn(b, hkv, nk, d)
-    q8, qs = F.quantize_q(q, 1.0 / math.sqrt(d))
-    k8, ks = F.quantize_k(k)
-    vt, vs = F.quantize_v(v, "fp4" if p_mode == "fp4" else "fp8")
+    operands = F.quantize_inputs(q, k, v, 1.0 / math.sqrt(d), "fp4" if p_mode == "fp4" else "fp8")
     bias = None
     if bias_kind == "keypad":
         keep = torch.rand(b, 1, 1, nk) > 0.3
@@ -60,4 +63,4 @@ def quantized_operands(b, h, hkv, nq, nk, d, p_mode, bias_kind=None, scale=1.0):
         bias = torch.where(keep, 0.0, MASKED_LOG2)
     elif bias_kind == "dense":
         bias = torch.randn(b, h, nq, nk) * 2
-    return (q8, k8, vt, qs, ks, vs), bias
+    return operands, bias

@@ -158,10 +158,7 @@ def test_accuracy_against_fp64(causal):
     sm = 1 / math.sqrt(128)
     bounds = {("fp8", "direct"): 0.05, ("fp8", "exp"): 0.046, ("fp4", "fp4"): 0.5}
     for (fmt, p_mode), bound in bounds.items():
-        q8, qs = F.quantize_q(q, sm)
-        k8, ks = F.quantize_k(k)
-        v8t, vs = F.quantize_v(v, fmt)
-        out, _ = R.attention_forward(q8, k8, v8t, qs, ks, vs, None, causal, p_mode, torch.float32)
+        out, _ = R.attention_forward(*F.quantize_inputs(q, k, v, sm, fmt), None, causal, p_mode, torch.float32)
         err = rel_l2(out, ref)
         assert err < bound, (fmt, p_mode, err)
         assert err > 0.2 * bound  # a quantized path that is exact would mean quantization was skipped

@@ -38,12 +38,7 @@ from fp4_inductor import formats as F
 from fp4_inductor import reference as R
 from helpers import quantized_operands
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-    pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() != (9, 0),
-                       reason="the Triton backward kernel targets sm_90 (Hopper)"),
-]
+pytestmark = [pytest.mark.gpu, pytest.mark.sm90]
 
 
 def _launcher():

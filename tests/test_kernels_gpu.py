@@ -31,12 +31,7 @@ from fp4_inductor import formats as F
 from fp4_inductor import reference as R
 from helpers import quantized_operands
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-    pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() != (9, 0),
-                       reason="the Triton forward kernel targets sm_90 (Hopper)"),
-]
+pytestmark = [pytest.mark.gpu, pytest.mark.sm90]
 
 TOL = {  # (rel-L2, max |err| / max |ref|, max |LSE err|)
     "direct": (1e-3, 3e-3, 1e-5),
@@ -159,10 +154,7 @@ def test_nan_propagates_like_reference(where):
     b, h, hkv, n, d = 1, 4, 2, 300, 64
     q, k, v = torch.randn(b, h, n, d), torch.randn(b, hkv, n, d), torch.randn(b, hkv, n, d)
     {"q": q, "k": k, "v": v}[where][0, 0, 137, 5] = float("nan")
-    q8, qs = F.quantize_q(q, d ** -0.5)
-    k8, ks = F.quantize_k(k)
-    vt, vs = F.quantize_v(v, "fp8")
-    ops = (q8, k8, vt, qs, ks, vs)
+    ops = F.quantize_inputs(q, k, v, d ** -0.5, "fp8")
     ref_o, ref_l = R.attention_forward(*ops, None, False, "direct", torch.float32)
     out = torch.full((b, n, h, d), 0.5, device="cuda").transpose(1, 2)  # poison that is not NaN
     lse = torch.full((b, h, n), 0.5, device="cuda")
@@ -185,10 +177,8 @@ def test_large_scores_do_not_overflow(p_mode):
     q = base * 100 + torch.randn(b, h, n, d)
     k = base * 100 + torch.randn(b, h, n, d) * 8  # smoothing removes the shared part of K
     v = torch.randn(b, h, n, d)
-    q8, qs = F.quantize_q(q, 1.0)
-    k8, ks = F.quantize_k(k)
-    vt, vs = F.quantize_v(v, "fp4" if p_mode == "fp4" else "fp8")
-    ops = (q8, k8, vt, qs, ks, vs)
+    ops = F.quantize_inputs(q, k, v, 1.0, "fp4" if p_mode == "fp4" else "fp8")
+    q8, k8, _, qs, ks, _ = ops
     x = R.log2_scores(q8, k8, qs, ks, None, False, slice(0, n))
     assert x.abs().max() >= 1e4 * F.LOG2E  # natural-log scores of 1e4 and more
     ref_o, ref_l = R.attention_forward(*ops, None, False, p_mode, torch.float32)

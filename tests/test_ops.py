@@ -8,6 +8,7 @@ import torch
 from fp4_inductor import formats as F
 from fp4_inductor import ops
 from fp4_inductor.attention import _mask_to_log2_bias
+from helpers import bits
 
 
 # test_schema compares inputs before and after with ops that CPU float8 lacks; mutation
@@ -15,26 +16,19 @@ from fp4_inductor.attention import _mask_to_log2_bias
 OPCHECK_UTILS = ("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic")
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """8-bit codes as uint8 (CPU float8 lacks comparison ops)."""
-    return t.view(torch.uint8) if t.dtype.itemsize == 1 else t
-
-
 def _opcheck(op, args):
-    before = [_bits(a).clone() for a in args if isinstance(a, torch.Tensor)]
+    before = [bits(a).clone() for a in args if isinstance(a, torch.Tensor)]
     torch.library.opcheck(op, args, test_utils=OPCHECK_UTILS)
     op(*args)
-    after = [_bits(a) for a in args if isinstance(a, torch.Tensor)]
+    after = [bits(a) for a in args if isinstance(a, torch.Tensor)]
     assert all(torch.equal(x, y) for x, y in zip(before, after))
 
 
 def _fwd_args(b=2, h=4, hkv=2, nq=70, nk=150, d=64, causal=False, bias=False, p_mode="direct"):
     q, k, v = torch.randn(b, h, nq, d), torch.randn(b, hkv, nk, d), torch.randn(b, hkv, nk, d)
-    q8, qs = F.quantize_q(q, 1 / math.sqrt(d))
-    k8, ks = F.quantize_k(k)
-    v8t, vs = F.quantize_v(v, "fp4" if p_mode == "fp4" else "fp8")
+    operands = F.quantize_inputs(q, k, v, 1 / math.sqrt(d), "fp4" if p_mode == "fp4" else "fp8")
     mask = _mask_to_log2_bias(torch.rand(b, 1, 1, nk) > 0.2) if bias else None
-    return (q8, k8, v8t, qs, ks, vs, mask, causal, p_mode, torch.bfloat16)
+    return (*operands, mask, causal, p_mode, torch.bfloat16)
 
 
 @pytest.mark.parametrize("fmt", F.FORMATS)
@@ -43,9 +37,12 @@ def test_quantize_opcheck_and_matches_formats(fmt):
     q = q.transpose(1, 2).contiguous().transpose(1, 2)  # a [B, N, H, D] layout, as projections give
     _opcheck(torch.ops.fp4attn.quantize.default, (q, k, v, 0.125, fmt))
     got = torch.ops.fp4attn.quantize(q, k, v, 0.125, fmt)
-    want = (*F.quantize_q(q, 0.125), *F.quantize_k(k), *F.quantize_v(v, fmt))
+    q8, q_scale = F.quantize_q(q, 0.125)
+    k8, k_scale = F.quantize_k(k)
+    v_t, v_scale = F.quantize_v(v, fmt)
+    want = (q8, k8, v_t, q_scale, k_scale, v_scale)
     for g, w in zip(got, want):
-        assert g.is_contiguous() and g.dtype == w.dtype and torch.equal(_bits(g), _bits(w))
+        assert g.is_contiguous() and g.dtype == w.dtype and torch.equal(bits(g), bits(w))
 
 
 @pytest.mark.parametrize("causal", [False, True])

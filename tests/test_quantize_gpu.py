@@ -15,13 +15,9 @@ import pytest
 import torch
 
 from fp4_inductor import formats as F
+from helpers import bits
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-    pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() != (9, 0),
-                       reason="the Triton kernels target sm_90 (Hopper)"),
-]
+pytestmark = [pytest.mark.gpu, pytest.mark.sm90]
 
 
 def _poison_allocator():
@@ -45,16 +41,9 @@ def _inputs(b, h, hkv, nq, nk, d, dtype, layout):
     return make(h, nq), make(hkv, nk), make(hkv, nk)
 
 
-def _bits(t):
-    return t.view(torch.uint8) if t.dtype.itemsize == 1 else t
-
-
 def _reference(q, k, v, sm_scale):
     """formats on the CPU, moved back to the GPU."""
-    q8, qs = F.quantize_q(q.cpu(), sm_scale)
-    k8, ks = F.quantize_k(k.cpu())
-    vt, vs = F.quantize_v(v.cpu(), "fp8")
-    return tuple(t.cuda() for t in (q8, qs, k8, ks, vt, vs))
+    return tuple(t.cuda() for t in F.quantize_inputs(q.cpu(), k.cpu(), v.cpu(), sm_scale, "fp8"))
 
 
 def _check_k(k8, k_scale, k8_ref, k_scale_ref):
@@ -73,19 +62,19 @@ SHAPES = [(1, 1, 1, 1, 1), (2, 4, 2, 113, 203), (1, 8, 1, 799, 1023), (2, 4, 4, 
 def test_matches_formats(shape, d, layout):
     q, k, v = _inputs(*shape, d, torch.bfloat16, layout)
     sm_scale = d ** -0.5
-    q8, qs, k8, ks, vt, vs = _launch(q, k, v, sm_scale)
-    q8_ref, qs_ref, k8_ref, ks_ref, vt_ref, vs_ref = _reference(q, k, v, sm_scale)
+    q8, k8, vt, qs, ks, vs = _launch(q, k, v, sm_scale)
+    q8_ref, k8_ref, vt_ref, qs_ref, ks_ref, vs_ref = _reference(q, k, v, sm_scale)
     assert torch.equal(q8, q8_ref) and torch.equal(qs, qs_ref)
-    assert torch.equal(_bits(vt), _bits(vt_ref)) and torch.equal(vs, vs_ref)
+    assert torch.equal(bits(vt), bits(vt_ref)) and torch.equal(vs, vs_ref)
     _check_k(k8, ks, k8_ref, ks_ref)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_other_input_dtypes(dtype):
     q, k, v = _inputs(2, 4, 2, 300, 300, 128, dtype, "bnhd")
-    q8, qs, k8, ks, vt, vs = _launch(q, k, v, 0.09)
-    q8_ref, qs_ref, k8_ref, ks_ref, vt_ref, vs_ref = _reference(q, k, v, 0.09)
-    assert torch.equal(q8, q8_ref) and torch.equal(qs, qs_ref) and torch.equal(_bits(vt), _bits(vt_ref))
+    q8, k8, vt, qs, ks, vs = _launch(q, k, v, 0.09)
+    q8_ref, k8_ref, vt_ref, qs_ref, ks_ref, vs_ref = _reference(q, k, v, 0.09)
+    assert torch.equal(q8, q8_ref) and torch.equal(qs, qs_ref) and torch.equal(bits(vt), bits(vt_ref))
     _check_k(k8, ks, k8_ref, ks_ref)
 
 
@@ -95,8 +84,8 @@ def test_nan_and_zero_blocks_like_formats():
     k[0, 1, 7, 0] = float("nan")
     v[0, 0, 250, 9] = float("nan")
     q[0, 1, 9] = 0  # an all-zero row gets scale 1
-    q8, qs, k8, ks, vt, vs = _launch(q, k, v, 0.125)
-    q8_ref, qs_ref, k8_ref, ks_ref, vt_ref, vs_ref = _reference(q, k, v, 0.125)
+    q8, k8, vt, qs, ks, vs = _launch(q, k, v, 0.125)
+    q8_ref, k8_ref, vt_ref, qs_ref, ks_ref, vs_ref = _reference(q, k, v, 0.125)
     torch.testing.assert_close(qs, qs_ref, rtol=0, atol=0, equal_nan=True)
     assert qs[0, 1, 9].item() == 1.0
     torch.testing.assert_close(ks, ks_ref, rtol=1e-6, atol=0, equal_nan=True)

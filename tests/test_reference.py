@@ -13,10 +13,7 @@ from helpers import cosine, grads, rel_l2
 
 
 def _quantized(q, k, v, fmt="fp8"):
-    q8, qs = F.quantize_q(q, 1 / math.sqrt(q.shape[-1]))
-    k8, ks = F.quantize_k(k)
-    v8t, vs = F.quantize_v(v, fmt)
-    return q8, k8, v8t, qs, ks, vs
+    return F.quantize_inputs(q, k, v, 1 / math.sqrt(q.shape[-1]), fmt)
 
 
 @pytest.mark.parametrize("p_mode", ["direct", "exp", "fp4"])

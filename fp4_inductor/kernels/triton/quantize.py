@@ -11,9 +11,9 @@ Computes ``formats.quantize_q``, ``quantize_k`` and ``quantize_v(fmt="fp8")``:
 
 Bytes: Q read once, K and V twice, the 8-bit codes written once.  Values are scaled as
 ``formats._per_scale`` does (an IEEE reciprocal per scale, then a multiplication) and
-rounded to nearest even; only K's mean is
-summed in another order, so a K code can differ from the eager one by one step when its
-scaled value lies within float32 rounding of a half-integer.
+rounded to nearest even; only K's mean is summed in another order, so a K code can
+differ from the formats one by one step when its scaled value lies within float32
+rounding of a half-integer.
 """
 
 from __future__ import annotations
@@ -26,9 +26,33 @@ from triton.language.extra import libdevice
 from ... import formats as F
 from .common import max_propagate_nan
 
-# Tile rows per program: about 100 registers a thread at 8 warps, two programs per SM.
+# Tile rows per program: 80 registers a thread at 8 warps (ptxas, D=128), three programs per SM.
 _Q_ROWS, _K_TILE, _V_ROWS = 16, 16, 32
 _STATS_TILE = 32
+
+
+@triton.jit
+def _tile_of(pid, N, HEADS, ROWS: tl.constexpr):
+    """(head index b * HEADS + h, tile index, b, h) of program ``pid`` among the tiles of
+    ROWS tokens of every head."""
+    tiles = tl.cdiv(N, ROWS)
+    bh = pid // tiles
+    return bh, pid % tiles, (bh // HEADS).to(tl.int64), (bh % HEADS).to(tl.int64)
+
+
+@triton.jit
+def _load_rows(X, b, h, rows, N, stride_b, stride_h, stride_n, stride_d, HEAD_DIM: tl.constexpr):
+    """Rows ``rows`` of head (b, h) of a ``[B, H, N, D]`` view as float32, zero past N."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    ptrs = X + b * stride_b + h * stride_h + rows[:, None].to(tl.int64) * stride_n + offs_d[None, :] * stride_d
+    return tl.load(ptrs, mask=rows[:, None] < N, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _store_rows(OUT, bh, rows, N, values, HEAD_DIM: tl.constexpr):
+    """Rows ``rows`` of head ``bh`` of a contiguous ``[B * H, N, D]`` output."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    tl.store(OUT + (bh.to(tl.int64) * N + rows[:, None]) * HEAD_DIM + offs_d[None, :], values, mask=rows[:, None] < N)
 
 
 @triton.jit
@@ -39,21 +63,16 @@ def _kv_stats(K, V, KSUM, VMAX, HKV, N, CHUNK,
     chunk = tl.program_id(1)
     b = (bh // HKV).to(tl.int64)
     h = (bh % HKV).to(tl.int64)
-    offs_d = tl.arange(0, HEAD_DIM)
-    k_base = K + b * stride_kb + h * stride_kh + offs_d[None, :] * stride_kd
-    v_base = V + b * stride_vb + h * stride_vh + offs_d[None, :] * stride_vd
     k_sum = tl.zeros([HEAD_DIM], tl.float32)
     v_max = tl.zeros([TILE, HEAD_DIM], tl.float32)
     start = chunk * CHUNK
     for n0 in range(start, tl.minimum(start + CHUNK, N), TILE):
         rows = n0 + tl.arange(0, TILE)
-        inside = rows[:, None] < N
-        k = tl.load(k_base + rows[:, None].to(tl.int64) * stride_kn, mask=inside, other=0.0).to(tl.float32)
-        v = tl.load(v_base + rows[:, None].to(tl.int64) * stride_vn, mask=inside, other=0.0).to(tl.float32)
-        k_sum += tl.sum(k, axis=0)
+        k_sum += tl.sum(_load_rows(K, b, h, rows, N, stride_kb, stride_kh, stride_kn, stride_kd, HEAD_DIM), axis=0)
+        v = _load_rows(V, b, h, rows, N, stride_vb, stride_vh, stride_vn, stride_vd, HEAD_DIM)
         v_max = tl.maximum(v_max, tl.abs(v), propagate_nan=tl.PropagateNan.ALL)
     partial = bh * tl.num_programs(1) + chunk
-    tl.store(KSUM + partial * HEAD_DIM + offs_d, k_sum)
+    tl.store(KSUM + partial * HEAD_DIM + tl.arange(0, HEAD_DIM), k_sum)
     tl.store(VMAX + partial, tl.reduce(v_max, None, max_propagate_nan))
 
 
@@ -77,20 +96,12 @@ def _round_int8(x):
 @triton.jit
 def _q_rows(pid, Q, Q8, QS, sm_scale, H, NQ, stride_qb, stride_qh, stride_qn, stride_qd,
             HEAD_DIM: tl.constexpr, ROWS: tl.constexpr):
-    offs_d = tl.arange(0, HEAD_DIM)
-    blocks = tl.cdiv(NQ, ROWS)
-    bh = pid // blocks
-    rows = (pid % blocks) * ROWS + tl.arange(0, ROWS)
-    inside = rows < NQ
-    b = (bh // H).to(tl.int64)
-    h = (bh % H).to(tl.int64)
-    ptrs = Q + b * stride_qb + h * stride_qh + rows[:, None].to(tl.int64) * stride_qn + offs_d[None, :] * stride_qd
-    x = tl.load(ptrs, mask=inside[:, None], other=0.0).to(tl.float32) * sm_scale
+    bh, tile, b, h = _tile_of(pid, NQ, H, ROWS)
+    rows = tile * ROWS + tl.arange(0, ROWS)
+    x = _load_rows(Q, b, h, rows, NQ, stride_qb, stride_qh, stride_qn, stride_qd, HEAD_DIM) * sm_scale
     scale = _amax_scale(tl.reduce(tl.abs(x), 1, max_propagate_nan), 127.0)
-    row_index = bh.to(tl.int64) * NQ + rows
-    tl.store(Q8 + row_index[:, None] * HEAD_DIM + offs_d[None, :], _round_int8(_per_scale(x, scale[:, None])),
-             mask=inside[:, None])
-    tl.store(QS + row_index, scale, mask=inside)
+    _store_rows(Q8, bh, rows, NQ, _round_int8(_per_scale(x, scale[:, None])), HEAD_DIM)
+    tl.store(QS + bh.to(tl.int64) * NQ + rows, scale, mask=rows < NQ)
 
 
 @triton.jit
@@ -99,54 +110,43 @@ def _k_block(pid, K, K8, KS, KSUM, inv_nk, HKV, NK, N_CHUNKS, stride_kb, stride_
     # The block is read twice in TILE-row pieces (the second time from cache): its scale
     # needs the whole block, which in registers would take all 255 a thread has.
     offs_d = tl.arange(0, HEAD_DIM)
-    blocks = tl.cdiv(NK, ROWS)
-    bh = pid // blocks
-    block = pid % blocks
-    b = (bh // HKV).to(tl.int64)
-    h = (bh % HKV).to(tl.int64)
+    bh, block, b, h = _tile_of(pid, NK, HKV, ROWS)
     k_sum = tl.zeros([HEAD_DIM], tl.float32)
     for c in range(N_CHUNKS):
         k_sum += tl.load(KSUM + (bh * N_CHUNKS + c) * HEAD_DIM + offs_d)
-    mean = k_sum * inv_nk  # as torch's mean: the sum times 1/N
-    base = K + b * stride_kb + h * stride_kh + offs_d[None, :] * stride_kd
+    # The sum times 1/N (torch's CPU mean divides; the sum's order differs anyway, which
+    # is why K codes may move by one step).
+    mean = k_sum * inv_nk
     amax = tl.zeros([TILE, HEAD_DIM], tl.float32)
     for r in range(0, ROWS, TILE):
         rows = block * ROWS + r + tl.arange(0, TILE)
-        k = tl.load(base + rows[:, None].to(tl.int64) * stride_kn, mask=rows[:, None] < NK, other=0.0).to(tl.float32)
+        k = _load_rows(K, b, h, rows, NK, stride_kb, stride_kh, stride_kn, stride_kd, HEAD_DIM)
         k = tl.where(rows[:, None] < NK, k - mean[None, :], 0.0)  # zero padded after smoothing
         amax = tl.maximum(amax, tl.abs(k), propagate_nan=tl.PropagateNan.ALL)
     scale = _amax_scale(tl.reduce(amax, None, max_propagate_nan), 127.0)
     for r in range(0, ROWS, TILE):
         rows = block * ROWS + r + tl.arange(0, TILE)
-        inside = rows[:, None] < NK
-        k = tl.load(base + rows[:, None].to(tl.int64) * stride_kn, mask=inside, other=0.0).to(tl.float32) - mean[None, :]
-        row_index = bh.to(tl.int64) * NK + rows
-        tl.store(K8 + row_index[:, None] * HEAD_DIM + offs_d[None, :], _round_int8(_per_scale(k, scale)), mask=inside)
-    tl.store(KS + bh * blocks + block, scale)
+        k = _load_rows(K, b, h, rows, NK, stride_kb, stride_kh, stride_kn, stride_kd, HEAD_DIM) - mean[None, :]
+        _store_rows(K8, bh, rows, NK, _round_int8(_per_scale(k, scale)), HEAD_DIM)
+    tl.store(KS + bh * tl.cdiv(NK, ROWS) + block, scale)
 
 
 @triton.jit
 def _v_rows(pid, V, VT, VS, VMAX, HKV, NK, N_CHUNKS, stride_vb, stride_vh, stride_vn, stride_vd,
             HEAD_DIM: tl.constexpr, ROWS: tl.constexpr):
-    offs_d = tl.arange(0, HEAD_DIM)
-    blocks = tl.cdiv(NK, ROWS)
-    bh = pid // blocks
-    rows = (pid % blocks) * ROWS + tl.arange(0, ROWS)
-    inside = rows < NK
-    b = (bh // HKV).to(tl.int64)
-    h = (bh % HKV).to(tl.int64)
+    bh, tile, b, h = _tile_of(pid, NK, HKV, ROWS)
+    rows = tile * ROWS + tl.arange(0, ROWS)
     amax = tl.zeros([1], tl.float32)
     for c in range(N_CHUNKS):
         amax = tl.maximum(amax, tl.load(VMAX + bh * N_CHUNKS + c + tl.zeros([1], tl.int32)),
                           propagate_nan=tl.PropagateNan.ALL)
     scale = _amax_scale(amax, 448.0)
-    ptrs = V + b * stride_vb + h * stride_vh + rows[:, None].to(tl.int64) * stride_vn + offs_d[None, :] * stride_vd
-    v = tl.load(ptrs, mask=inside[:, None], other=0.0).to(tl.float32)
+    v = _load_rows(V, b, h, rows, NK, stride_vb, stride_vh, stride_vn, stride_vd, HEAD_DIM)
     v8 = tl.clamp(_per_scale(v, scale[:, None]), -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
     # K-major store: the tile goes out transposed, tokens contiguous.
-    v_index = bh.to(tl.int64) * HEAD_DIM * NK + offs_d[None, :].to(tl.int64) * NK + rows[:, None]
-    tl.store(VT + v_index, v8.to(tl.float8e4nv), mask=inside[:, None])
-    tl.store(VS + bh + tl.zeros([1], tl.int32), scale, mask=pid % blocks == 0)
+    v_index = bh.to(tl.int64) * HEAD_DIM * NK + tl.arange(0, HEAD_DIM)[None, :].to(tl.int64) * NK + rows[:, None]
+    tl.store(VT + v_index, v8.to(tl.float8e4nv), mask=rows[:, None] < NK)
+    tl.store(VS + bh + tl.zeros([1], tl.int32), scale, mask=tile == 0)
 
 
 @triton.jit
@@ -170,8 +170,8 @@ def _quantize(Q, K, V, Q8, QS, K8, KS, VT, VS, KSUM, VMAX,
 
 
 def quantize_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float):
-    """(q8, q_scale, k8, k_scale, v_t, v_scale) as ``formats`` defines them for fmt="fp8",
-    from ``[B, H, N, D]`` views with any strides; outputs are contiguous."""
+    """``formats.quantize_inputs(q, k, v, sm_scale, "fp8")``: ``(q8, k8, v_t, q_scale,
+    k_scale, v_scale)`` from ``[B, H, N, D]`` views with any strides; outputs are contiguous."""
     b, h, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
     dev = q.device
@@ -182,7 +182,7 @@ def quantize_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale:
     v_t = torch.empty(b, hkv, d, nk, dtype=F.E4M3, device=dev)
     v_scale = torch.empty(b, hkv, dtype=torch.float32, device=dev)
     if q8.numel() == 0 or k8.numel() == 0:
-        return q8, q_scale, k8, k_scale, v_t, v_scale
+        return q8, k8, v_t, q_scale, k_scale, v_scale
 
     # Enough stats programs to fill the GPU a few times over; chunks a multiple of the tile.
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
@@ -201,4 +201,4 @@ def quantize_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale:
                     float(sm_scale), 1.0 / nk, h, hkv, nq, nk, q_programs, k_programs, chunks,
                     *q.stride(), *k.stride(), *v.stride(),
                     HEAD_DIM=d, Q_ROWS=_Q_ROWS, K_BLOCK=F.SCALE_BLOCK, K_TILE=_K_TILE, V_ROWS=_V_ROWS, num_warps=8, num_stages=1)
-    return q8, q_scale, k8, k_scale, v_t, v_scale
+    return q8, k8, v_t, q_scale, k_scale, v_scale
