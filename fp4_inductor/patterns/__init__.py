@@ -1,9 +1,8 @@
 """Find attention sites in a Dynamo graph and rewrite the chosen ones.
 
 The rewrite happens on the torch-level graph, before AOTAutograd: the replacement is a
-call of ``attention.lowp_attention``, whose quantization AOTAutograd traces into aten
-code (fused by Inductor into the producers) and whose autograd gives training the FP8
-backward.  Matchers start at SDPA and softmax nodes and walk producers, so symbolic
+call of ``attention.lowp_attention``, which AOTAutograd traces into the ``fp4attn``
+ops (quantize, fwd) and whose autograd gives training the FP8 backward.  Matchers start at SDPA and softmax nodes and walk producers, so symbolic
 shapes do not stop them.
 """
 
