@@ -8,9 +8,12 @@ to compare the two on one machine.
 from __future__ import annotations
 
 import functools
+import importlib
 import os
 
 import torch
+
+from ..formats import P_MODES
 
 
 @functools.cache
@@ -19,30 +22,18 @@ def _is_sm90(device_index: int) -> bool:
 
 
 @functools.cache
-def _triton_forward():
+def _triton_launcher(module: str, name: str):
+    """``kernels.triton.<module>.<name>``, or None where Triton is missing (the reference
+    path serves)."""
     try:
-        from .triton import attention_fwd
-    except ImportError:  # no Triton in this environment: the reference path serves
-        return None
-    return attention_fwd.attention_forward
-
-
-@functools.cache
-def _triton_quantize():
-    try:
-        from .triton import quantize
+        return getattr(importlib.import_module(f".triton.{module}", __name__), name)
     except ImportError:
         return None
-    return quantize.quantize_inputs
 
 
-@functools.cache
-def _triton_backward():
-    try:
-        from .triton import attention_bwd
-    except ImportError:
-        return None
-    return attention_bwd.attention_backward
+def _applies(q: torch.Tensor) -> bool:
+    """What every Triton kernel needs: an sm_90 device and D in {64, 128}."""
+    return has_forward_kernel(q.device) and q.shape[-1] in (64, 128)
 
 
 def has_forward_kernel(device: torch.device) -> bool:
@@ -55,18 +46,16 @@ def has_forward_kernel(device: torch.device) -> bool:
 def quantize_kernel(q: torch.Tensor, fmt: str):
     """The Triton sm_90 launcher quantizing Q, K and V for fmt="fp8" (D in {64, 128}), else None.
     fp4's MXFP4 V is an accuracy mode and keeps the formats code."""
-    if fmt != "fp8" or not has_forward_kernel(q.device) or q.shape[-1] not in (64, 128):
+    if fmt != "fp8" or not _applies(q):
         return None
-    return _triton_quantize()
+    return _triton_launcher("quantize", "quantize_inputs")
 
 
 def forward_kernel(q: torch.Tensor, p_mode: str):
     """The Triton sm_90 forward launcher for D in {64, 128}, else None."""
-    if not has_forward_kernel(q.device):
+    if not _applies(q) or p_mode not in P_MODES:
         return None
-    if q.shape[-1] not in (64, 128) or p_mode not in ("direct", "exp", "fp4"):
-        return None
-    return _triton_forward()
+    return _triton_launcher("attention_fwd", "attention_forward")
 
 
 def backward_kernel(q: torch.Tensor, p_mode: str):
@@ -76,8 +65,6 @@ def backward_kernel(q: torch.Tensor, p_mode: str):
     last H200 run matched fp32 autograd within the format's error but not the reference
     within the tests' bounds (FP8 tensor-core accumulation is not full float32).
     """
-    if os.environ.get("FP4ATTN_BWD_KERNEL", "0") != "1" or not has_forward_kernel(q.device):
+    if os.environ.get("FP4ATTN_BWD_KERNEL", "0") != "1" or not _applies(q) or p_mode not in P_MODES:
         return None
-    if q.shape[-1] not in (64, 128) or p_mode not in ("direct", "exp", "fp4"):
-        return None
-    return _triton_backward()
+    return _triton_launcher("attention_bwd", "attention_backward")
