@@ -17,7 +17,10 @@ import argparse
 import datetime
 import json
 import math
+import os
+import statistics
 import sysconfig
+import time
 from pathlib import Path
 
 import torch
@@ -89,9 +92,17 @@ def train(arm: str, args, train_data, val_data, device, init_state) -> dict:
     step_fn = torch.compile(model, backend=backend)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
-    curve, val_curve = [], []
+    sites = []
+    if arm != "bf16":  # the arm means nothing unless every attention site really runs low precision
+        x0 = next(batches(train_data, args.batch, args.seq, 1, seed=1))[0].to(device)
+        with amp:
+            sites = [(s.name, s.path) for s in fp4_inductor.explain(model, x0, policy="always", fmt=arm).sites]
+        model.zero_grad(set_to_none=True)
+        assert sites and all(path == arm for _, path in sites), sites
+    curve, val_curve, step_ms = [], [], []
     progress = _progress(args.steps, arm)
     for step, (x, y) in enumerate(batches(train_data, args.batch, args.seq, args.steps, seed=1)):
+        start = time.perf_counter()
         for group in opt.param_groups:  # linear warm-up, cosine decay
             warm = min(1.0, (step + 1) / 100)
             group["lr"] = args.lr * warm * 0.5 * (1 + math.cos(math.pi * step / args.steps))
@@ -101,12 +112,14 @@ def train(arm: str, args, train_data, val_data, device, init_state) -> dict:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        curve.append(loss.item())
+        curve.append(loss.item())  # .item() synchronizes: the step's wall time ends here
+        step_ms.append((time.perf_counter() - start) * 1e3)
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
             val_curve.append((step + 1, evaluate(step_fn, val_data, args, device, amp)))
         progress.update(1)
     progress.close()
-    return {"train_loss": curve, "val_loss": val_curve}
+    return {"train_loss": curve, "val_loss": val_curve, "sites": sites,
+            "median_step_ms": statistics.median(step_ms[len(step_ms) // 10:])}
 
 
 @torch.no_grad()
@@ -183,8 +196,10 @@ def main() -> None:
         "device": name,
         "date": datetime.date.today().isoformat(),
         "torch": torch.__version__,
-        "config": vars(args),
+        "config": {k: v for k, v in vars(args).items() if k != "out"},
         "corpus_bytes": data.numel(),
+        # the low-precision backward: the Triton kernel (opt-in) or the reference emulation
+        "backward": "kernel" if os.environ.get("FP4ATTN_BWD_KERNEL") == "1" else "reference emulation",
         "final_val_loss": final,
         "gap_vs_bf16": {arm: (loss - final["bf16"]) / final["bf16"] for arm, loss in final.items()} if "bf16" in final else {},
         "runs": runs,
@@ -193,7 +208,8 @@ def main() -> None:
     Path(stem).parent.mkdir(parents=True, exist_ok=True)
     Path(stem + ".json").write_text(json.dumps(doc, indent=1))
     plot(doc, Path(stem + ".png"))
-    print(json.dumps({"final_val_loss": final, "gap_vs_bf16": doc["gap_vs_bf16"]}, indent=1))
+    print(json.dumps({"final_val_loss": final, "gap_vs_bf16": doc["gap_vs_bf16"],
+                      "median_step_ms": {arm: run["median_step_ms"] for arm, run in runs.items()}}, indent=1))
 
 
 if __name__ == "__main__":

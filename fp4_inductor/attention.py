@@ -14,22 +14,7 @@ import math
 import torch
 
 from . import formats as F
-from . import ops  # noqa: F401  (registers torch.ops.fp4attn)
-
-# Finite stand-in (log2 units) for -inf and finfo.min in masks.  Masked keys still get
-# P = 0 next to any real score; a row whose every key is masked gets finite weights (as
-# eager does with finfo.min masks) instead of NaN.  2**20 keeps 8 x + 120 - 8 m exact in
-# float32, so those rows' codes are still well defined.
-MASKED_LOG2 = -(2.0**20)
-
-
-def _mask_to_log2_bias(attn_mask: torch.Tensor | None) -> torch.Tensor | None:
-    if attn_mask is None:
-        return None
-    if attn_mask.dtype == torch.bool:
-        return torch.where(attn_mask, 0.0, MASKED_LOG2)
-    return (attn_mask.float() * F.LOG2E).clamp(min=MASKED_LOG2)
-
+from . import ops
 
 def combine_masks(attn_mask, bias_terms, keep_masks, drop_masks):
     """One additive mask (-inf where masked) from a site's masks: an SDPA-style
@@ -54,12 +39,8 @@ def combine_masks(attn_mask, bias_terms, keep_masks, drop_masks):
 class _LowPrecisionAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, bias, sm_scale, causal, fmt, p_mode):
-        out_dtype, op_scale = q.dtype, sm_scale
-        if not isinstance(sm_scale, (int, float)):  # a tensor or symbolic scale: fold it in first
-            q, op_scale = q.float() * sm_scale, 1.0
-        q8, k8, v8t, q_scale, k_scale, v_scale = torch.ops.fp4attn.quantize(q, k, v, float(op_scale), fmt)
-        out, lse = torch.ops.fp4attn.fwd(q8, k8, v8t, q_scale, k_scale, v_scale, bias, causal, p_mode, out_dtype)
-        ctx.save_for_backward(q8, k8, v8t, q_scale, k_scale, v_scale, bias, out, lse)
+        out, lse, operands = ops.quantized_forward(q, k, v, bias, sm_scale, causal, fmt, p_mode)
+        ctx.save_for_backward(*operands, bias, out, lse)
         ctx.sm_scale, ctx.causal, ctx.p_mode = sm_scale, causal, p_mode
         return out
 
@@ -90,6 +71,7 @@ def lowp_attention(
     *,
     fmt: str = "fp8",
     p_mode: str | None = None,
+    min_keys: int | None = None,
 ) -> torch.Tensor:
     """Drop-in for ``F.scaled_dot_product_attention`` (no dropout) in low precision.
 
@@ -97,6 +79,8 @@ def lowp_attention(
     dividing ``H`` (GQA/MQA without repeating K/V).  ``attn_mask``: boolean (True keeps)
     or additive, broadcastable to ``[B, H, Nq, Nk]``.  ``scale``: float, SymFloat or
     0-d tensor; None means ``1 / sqrt(D)``.  ``is_causal`` is top-left aligned, as SDPA.
+    ``min_keys`` (inference only): low precision only from this many keys at run time,
+    SDPA below, decided per call without a guard on the length (``fp4attn::by_length``).
     """
     squeeze = q.dim() == 3
     if squeeze:
@@ -105,6 +89,11 @@ def lowp_attention(
             attn_mask = attn_mask.unsqueeze(1)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
-    bias = _mask_to_log2_bias(attn_mask)
-    out = _LowPrecisionAttention.apply(q, k, v, bias, scale, is_causal, fmt, p_mode or default_p_mode(fmt))
+    p_mode = p_mode or default_p_mode(fmt)
+    if min_keys is not None:
+        if not isinstance(scale, (int, float)):  # the op takes a float; a symbolic one would specialise
+            q, scale = (q.float() * scale).to(q.dtype), 1.0
+        out = torch.ops.fp4attn.by_length(q, k, v, attn_mask, float(scale), is_causal, fmt, p_mode, min_keys)
+    else:
+        out = _LowPrecisionAttention.apply(q, k, v, F.mask_to_log2_bias(attn_mask), scale, is_causal, fmt, p_mode)
     return out.squeeze(1) if squeeze else out

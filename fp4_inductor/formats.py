@@ -291,3 +291,18 @@ def quantize_ds(ds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     amax = ds.abs().amax(dim=(-2, -1), keepdim=True)
     scale = _amax_scale(amax, E4M3_MAX)
     return _cast(ds / scale, E4M3, E4M3_MAX).float(), scale
+
+
+# Finite stand-in (log2 units) for -inf and finfo.min in masks.  Masked keys still get
+# P = 0 next to any real score; a row whose every key is masked gets finite weights (as
+# eager does with finfo.min masks) instead of NaN.  2**20 keeps 8 x + 120 - 8 m exact in
+# float32, so those rows' codes are still well defined.
+MASKED_LOG2 = -(2.0**20)
+
+
+def mask_to_log2_bias(attn_mask: torch.Tensor | None) -> torch.Tensor | None:
+    if attn_mask is None:
+        return None
+    if attn_mask.dtype == torch.bool:
+        return torch.where(attn_mask, 0.0, MASKED_LOG2)
+    return (attn_mask.float() * LOG2E).clamp(min=MASKED_LOG2)

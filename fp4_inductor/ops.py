@@ -1,4 +1,4 @@
-"""Custom ops ``torch.ops.fp4attn.quantize``, ``fwd`` and ``bwd``.
+"""Custom ops ``torch.ops.fp4attn.quantize``, ``fwd``, ``bwd`` and ``by_length``.
 
 ``quantize`` turns Q, K and V into the forward's operands; ``fwd`` and ``bwd`` take the
 quantized operands.  Where a GPU kernel exists it runs; everywhere else, and if a kernel
@@ -8,6 +8,7 @@ fails at run time (with one warning), ``formats.py`` and the reference emulation
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import torch
@@ -25,10 +26,21 @@ def _warn_once(key: str, message: str) -> None:
         warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
-def _bnhd_empty(like: torch.Tensor, heads: int, rows: int, dim: int, dtype: torch.dtype) -> torch.Tensor:
+def bnhd_empty(like: torch.Tensor, heads: int, rows: int, dim: int, dtype: torch.dtype) -> torch.Tensor:
     """``[B, H, N, D]`` stored as ``[B, N, H, D]``: the layout ``out.transpose(1, 2)
     .reshape(B, N, H * D)`` reads without a copy (and the kernels write)."""
     return torch.empty(like.shape[0], rows, heads, dim, dtype=dtype, device=like.device).transpose(1, 2)
+
+
+def bnhd_like(x: torch.Tensor) -> torch.Tensor:
+    """``x`` ``[B, H, N, D]`` in ``bnhd_empty``'s layout (a copy only where it differs),
+    for ops whose fake promises that layout."""
+    b, h, n, d = x.shape
+    if x.transpose(1, 2).is_contiguous():
+        return x
+    out = bnhd_empty(x, h, n, d, x.dtype)
+    out.copy_(x)
+    return out
 
 
 @torch.library.custom_op("fp4attn::quantize", mutates_args=())
@@ -84,7 +96,7 @@ def attention_fwd(
     Returns O ``[B, H, Nq, D]`` (stored ``[B, Nq, H, D]``) and the natural-log LSE
     ``[B, H, Nq]`` of the represented probabilities."""
     b, h, nq, d = q.shape
-    out = _bnhd_empty(q, h, nq, d, out_dtype)
+    out = bnhd_empty(q, h, nq, d, out_dtype)
     lse = torch.empty(b, h, nq, dtype=torch.float32, device=q.device)
     kernel = forward_kernel(q, p_mode)
     if kernel is not None:
@@ -102,7 +114,7 @@ def attention_fwd(
 @attention_fwd.register_fake
 def _(q, k, v_t, q_scale, k_scale, v_scale, bias, causal, p_mode, out_dtype):
     b, h, nq, d = q.shape
-    return _bnhd_empty(q, h, nq, d, out_dtype), q.new_empty(b, h, nq, dtype=torch.float32)
+    return bnhd_empty(q, h, nq, d, out_dtype), q.new_empty(b, h, nq, dtype=torch.float32)
 
 
 @torch.library.custom_op("fp4attn::bwd", mutates_args=())
@@ -129,9 +141,9 @@ def attention_bwd(
     """Gradients from the forward's saved operands; see ``reference.attention_backward``.
     dQ is w.r.t. Q times the softmax scale.  All three are stored ``[B, N, H, D]``."""
     h, hkv, d = q.shape[1], k.shape[1], q.shape[-1]
-    dq = _bnhd_empty(q, h, q.shape[2], d, out_dtype)
-    dk = _bnhd_empty(k, hkv, k.shape[2], d, out_dtype)
-    dv = _bnhd_empty(k, hkv, k.shape[2], d, out_dtype)
+    dq = bnhd_empty(q, h, q.shape[2], d, out_dtype)
+    dk = bnhd_empty(k, hkv, k.shape[2], d, out_dtype)
+    dv = bnhd_empty(k, hkv, k.shape[2], d, out_dtype)
     kernel = backward_kernel(q, p_mode)
     if kernel is not None:
         try:
@@ -153,7 +165,43 @@ def attention_bwd(
 def _(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale, qe, qe_scale, ke, ke_scale, bias, lse, causal, p_mode, out_dtype):
     h, hkv, d = q.shape[1], k.shape[1], q.shape[-1]
     return (
-        _bnhd_empty(q, h, q.shape[2], d, out_dtype),
-        _bnhd_empty(k, hkv, k.shape[2], d, out_dtype),
-        _bnhd_empty(k, hkv, k.shape[2], d, out_dtype),
+        bnhd_empty(q, h, q.shape[2], d, out_dtype),
+        bnhd_empty(k, hkv, k.shape[2], d, out_dtype),
+        bnhd_empty(k, hkv, k.shape[2], d, out_dtype),
     )
+
+
+def quantized_forward(q, k, v, bias, sm_scale, causal, fmt, p_mode):
+    """quantize + fwd: the output, its LSE and the quantized operands backward needs."""
+    out_dtype, op_scale = q.dtype, sm_scale
+    if not isinstance(sm_scale, (int, float)):  # a tensor or symbolic scale: fold it in first
+        q, op_scale = q.float() * sm_scale, 1.0
+    operands = torch.ops.fp4attn.quantize(q, k, v, float(op_scale), fmt)
+    out, lse = torch.ops.fp4attn.fwd(*operands, bias, causal, p_mode, out_dtype)
+    return out, lse, operands
+
+
+@torch.library.custom_op("fp4attn::by_length", mutates_args=())
+def attention_by_length(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None, scale: float,
+    is_causal: bool, fmt: str, p_mode: str, min_keys: int,
+) -> torch.Tensor:
+    """Low precision when the call has at least ``min_keys`` keys, SDPA otherwise: the
+    cost model's crossover as a branch at run time, so a dynamic-length graph neither
+    specialises nor recompiles at it.  Opaque to Inductor, hence inference only."""
+    if k.shape[-2] >= min_keys:
+        return quantized_forward(q, k, v, F.mask_to_log2_bias(attn_mask), scale, is_causal, fmt, p_mode)[0]
+    if attn_mask is not None and is_causal:  # SDPA's GPU backends take one or the other
+        causal = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+        attn_mask = attn_mask & causal if attn_mask.dtype == torch.bool else attn_mask.masked_fill(~causal, -math.inf)
+        is_causal = False
+    if attn_mask is not None and attn_mask.dtype != torch.bool:
+        attn_mask = attn_mask.to(q.dtype)  # SDPA takes an additive mask in the inputs' dtype
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+    return bnhd_like(out)
+
+
+@attention_by_length.register_fake
+def _(q, k, v, attn_mask, scale, is_causal, fmt, p_mode, min_keys):
+    return bnhd_empty(q, q.shape[1], q.shape[2], q.shape[-1], q.dtype)

@@ -23,7 +23,7 @@ import torch
 from . import __version__, config
 from .attention import lowp_attention
 from .patterns import find_sites, replace_site
-from .policy import MIN_SPEEDUP, decide, site_key, site_shape
+from .policy import MIN_MEASURED_SPEEDUP, decide, site_key, site_shape
 
 SCHEMA = 1
 PATHS = ("fp8", "fp4", "bf16")
@@ -152,7 +152,7 @@ def _probe(q, k, v, attn_mask=None, scale=None, is_causal=False, *, fmt, p_mode,
         cosine = torch.nn.functional.cosine_similarity(got.double().flatten(), ref.double().flatten(), dim=0).item()
         t_bf16, t_low = _median_ms(bf16, rep_ms), _median_ms(low, rep_ms)
     speedup = t_bf16 / t_low
-    path = fmt if speedup >= MIN_SPEEDUP and cosine >= min_cosine else "bf16"
+    path = fmt if speedup >= MIN_MEASURED_SPEEDUP and cosine >= min_cosine else "bf16"
     results[key] = {"path": path, "speedup": speedup, "cosine": cosine, "t_low_ms": t_low, "t_bf16_ms": t_bf16}
     return ref.detach()
 

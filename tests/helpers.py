@@ -8,7 +8,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from fp4_inductor import formats as F
-from fp4_inductor.attention import MASKED_LOG2
+from fp4_inductor.formats import MASKED_LOG2
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:

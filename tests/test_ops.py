@@ -7,7 +7,7 @@ import torch
 
 from fp4_inductor import formats as F
 from fp4_inductor import ops
-from fp4_inductor.attention import _mask_to_log2_bias
+from fp4_inductor.formats import mask_to_log2_bias
 from helpers import bits
 
 
@@ -27,7 +27,7 @@ def _opcheck(op, args):
 def _fwd_args(b=2, h=4, hkv=2, nq=70, nk=150, d=64, causal=False, bias=False, p_mode="direct"):
     q, k, v = torch.randn(b, h, nq, d), torch.randn(b, hkv, nk, d), torch.randn(b, hkv, nk, d)
     operands = F.quantize_inputs(q, k, v, 1 / math.sqrt(d), "fp4" if p_mode == "fp4" else "fp8")
-    mask = _mask_to_log2_bias(torch.rand(b, 1, 1, nk) > 0.2) if bias else None
+    mask = mask_to_log2_bias(torch.rand(b, 1, 1, nk) > 0.2) if bias else None
     return (*operands, mask, causal, p_mode, torch.bfloat16)
 
 
@@ -97,3 +97,24 @@ def test_kernel_failure_falls_back_and_warns_once(monkeypatch):
 
     ref, ref_lse = reference.attention_forward(*args)
     assert torch.equal(out, ref) and torch.equal(again, ref) and torch.equal(lse, ref_lse)
+
+
+@pytest.mark.parametrize("nk", [40, 150])
+@pytest.mark.parametrize("mask", [None, "bool", "additive"])
+def test_by_length_branches_on_the_call_s_key_length(nk, mask):
+    """From min_keys keys on the low-precision path (quantize + fwd), below it SDPA; both
+    in the layout the fake promises, masks and GQA as SDPA means them."""
+    q, k, v = torch.randn(2, 4, 33, 64), torch.randn(2, 2, nk, 64), torch.randn(2, 2, nk, 64)
+    keep = torch.rand(2, 1, 33, nk) > 0.2
+    attn_mask = {None: None, "bool": keep, "additive": torch.where(keep, 0.0, -1e4) + torch.randn(2, 1, 33, nk)}[mask]
+    args = (q, k, v, attn_mask, 0.125, True, "fp8", "direct", 100)
+    _opcheck(torch.ops.fp4attn.by_length.default, args)
+    got = torch.ops.fp4attn.by_length(*args)
+    if nk >= 100:
+        want = ops.quantized_forward(q, k, v, mask_to_log2_bias(attn_mask), 0.125, True, "fp8", "direct")[0]
+    else:
+        sdpa_mask = attn_mask.to(q.dtype) if mask == "additive" else attn_mask
+        want = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=sdpa_mask, is_causal=True, scale=0.125, enable_gqa=True)
+    assert got.stride() == ops.bnhd_empty(q, 4, 33, 64, q.dtype).stride()
+    assert torch.equal(got, want)

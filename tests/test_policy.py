@@ -114,22 +114,54 @@ def test_symbolic_shapes_decide_from_size_hints(fake_gpu):
     assert decision.predicted_speedup is not None
 
 
-def test_dynamic_length_decides_per_side_of_the_crossover(fake_gpu, monkeypatch):
-    """Under dynamic shapes the decision becomes a guard on the key length: a size on the
-    other side of the cost model's crossover recompiles with the other path."""
-    table = policy.CostTable.from_json(json.dumps({**TABLE, "launch_us": 0.0}))
+@pytest.fixture
+def crossover_2k(fake_gpu, monkeypatch):
+    rates = {path: {**by_key, "d128/full/train": by_key["d128/full/fwd"]} for path, by_key in TABLE["tflops"].items()}
+    table = policy.CostTable.from_json(json.dumps({**TABLE, "launch_us": 0.0, "tflops": rates}))
     monkeypatch.setattr(policy, "table_for", lambda gpu: table)
     threshold = policy.crossover_length(policy.SiteShape(1, 2, 2, 4096, 4096, 128, False, False), "fp8", table)
-    assert threshold == 2048  # rates cross (with the 3 % margin) between 1k and 2k keys
+    assert threshold == 2048  # rates cross (with the margin) between 1k and 2k keys
+    return threshold
 
-    def fn(q, k, v):
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v)
 
-    compiled = torch.compile(fn, backend=fp4_inductor.backend(), dynamic=True)
-    for n, expect_op in ((4096, True), (512, False), (threshold, True), (threshold - 16, False)):
-        q, k, v = (torch.randn(1, 2, n, 128) for _ in range(3))
+def _graphs_compiled(fn, sizes, requires_grad=False):
+    """Run ``fn`` compiled with dynamic shapes at each key length; return whether each
+    call ran the low-precision forward, and how many graphs were compiled."""
+    torch._dynamo.reset()
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return fp4_inductor.backend()(gm, example_inputs)
+
+    compiled = torch.compile(fn, backend=counting, dynamic=True)
+    ran_op = []
+    for n in sizes:
+        q, k, v = (torch.randn(1, 2, n, 128, requires_grad=requires_grad) for _ in range(3))
         _, calls = op_calls(compiled, q, k, v)
-        assert (calls["fwd"] == 1) == expect_op, n
+        ran_op.append(calls["fwd"] == 1)
+    return ran_op, len(graphs)
+
+
+def _sdpa_fn(q, k, v):
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+
+def test_dynamic_length_branches_at_run_time(crossover_2k):
+    """Inference under dynamic shapes: one graph whose op picks the path per call from the
+    actual key length, no guard and no recompile at the crossover."""
+    sizes = (4096, 512, crossover_2k, crossover_2k - 16, 8192)
+    ran_op, graphs = _graphs_compiled(_sdpa_fn, sizes)
+    assert ran_op == [n >= crossover_2k for n in sizes]
+    assert graphs == 1
+
+
+def test_dynamic_length_in_training_guards_at_the_crossover(crossover_2k):
+    """The run-time branch has no autograd: training recompiles once, across the crossover."""
+    sizes = (4096, 8192, 512, 256)
+    ran_op, graphs = _graphs_compiled(_sdpa_fn, sizes, requires_grad=True)
+    assert ran_op == [True, True, False, False]
+    assert graphs == 2
 
 
 def _entry(**changes):

@@ -46,10 +46,11 @@ def _scale_arg(graph: fx.Graph, scale):
     return result
 
 
-def replace_site(graph: fx.Graph, site: Site, fmt: str, p_mode: str | None, target=lowp_attention) -> fx.Node:
+def replace_site(graph: fx.Graph, site: Site, fmt: str, p_mode: str | None, target=lowp_attention,
+                 min_keys: int | None = None) -> fx.Node:
     """Call ``target`` (``lowp_attention``'s signature; tuning passes a probe) in place of the site."""
     if site.kind == "mha":
-        return replace_mha(graph, site, fmt, p_mode)
+        return replace_mha(graph, site, fmt, p_mode, min_keys)
     anchor = site.anchor
     with graph.inserting_before(anchor):
         if len(site.bias_terms) == 1 and not site.bias_terms[0][1] and not (site.keep_masks or site.drop_masks):
@@ -66,7 +67,7 @@ def replace_site(graph: fx.Graph, site: Site, fmt: str, p_mode: str | None, targ
             target,
             (site.q, site.k, site.v),
             {"attn_mask": mask, "scale": _scale_arg(graph, site.scale), "is_causal": site.causal,
-             "fmt": fmt, "p_mode": p_mode},
+             "fmt": fmt, "p_mode": p_mode, **({"min_keys": min_keys} if min_keys is not None else {})},
         )
         want = value(anchor).dtype
         if value(site.q).dtype != want:

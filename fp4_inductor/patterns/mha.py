@@ -52,7 +52,8 @@ def match_mha(node: fx.Node) -> Site | None:
 
 
 def mha_lowp(query, key, value, num_heads, in_proj_weight, in_proj_bias, out_proj_weight, out_proj_bias,
-             key_padding_mask, attn_mask, is_causal, q_proj_weight, k_proj_weight, v_proj_weight, *, fmt, p_mode):
+             key_padding_mask, attn_mask, is_causal, q_proj_weight, k_proj_weight, v_proj_weight, *, fmt, p_mode,
+             min_keys=None):
     """``F.multi_head_attention_forward`` with ``need_weights=False`` on sequence-first
     ``[L, N, E]`` inputs, attention in low precision."""
     length, batch, embed = query.shape
@@ -71,7 +72,7 @@ def mha_lowp(query, key, value, num_heads, in_proj_weight, in_proj_bias, out_pro
     else:
         is_causal = False
     out = lowp_attention(q, k, v, attn_mask=_sdpa_mask(attn_mask, key_padding_mask, batch, num_heads),
-                         is_causal=is_causal, fmt=fmt, p_mode=p_mode)
+                         is_causal=is_causal, fmt=fmt, p_mode=p_mode, min_keys=min_keys)
     out = F.linear(out.permute(2, 0, 1, 3).reshape(length, batch, embed), out_proj_weight, out_proj_bias)
     return out, None
 
@@ -90,7 +91,7 @@ def _sdpa_mask(attn_mask, key_padding_mask, batch: int, heads: int):
     return combine_masks(None, additive, (), tuple(m for m in masks if m.dtype == torch.bool))
 
 
-def replace_mha(graph: fx.Graph, site: Site, fmt: str, p_mode: str | None) -> fx.Node:
+def replace_mha(graph: fx.Graph, site: Site, fmt: str, p_mode: str | None, min_keys: int | None = None) -> fx.Node:
     a = mha_args(site.anchor)
     args = (a["query"], a["key"], a["value"], a["num_heads"], a["in_proj_weight"], a["in_proj_bias"],
             a["out_proj_weight"], a["out_proj_bias"], a["key_padding_mask"], a["attn_mask"], a["is_causal"],
@@ -98,7 +99,7 @@ def replace_mha(graph: fx.Graph, site: Site, fmt: str, p_mode: str | None) -> fx
             a["k_proj_weight"] if a["use_separate_proj_weight"] else None,
             a["v_proj_weight"] if a["use_separate_proj_weight"] else None)
     with graph.inserting_before(site.anchor):
-        new = graph.call_function(mha_lowp, args, {"fmt": fmt, "p_mode": p_mode})
+        new = graph.call_function(mha_lowp, args, {"fmt": fmt, "p_mode": p_mode, **({"min_keys": min_keys} if min_keys is not None else {})})
     new.meta.update(site.anchor.meta)
     site.anchor.replace_all_uses_with(new)
     graph.erase_node(site.anchor)
