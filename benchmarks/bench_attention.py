@@ -1,6 +1,8 @@
 """Forward attention on Hopper: our low-precision kernel against BF16 and FP8 peers.
 
-    python benchmarks/bench_attention.py [--ns 512 1024 ...] [--ds 64 128]
+    python benchmarks/bench_attention.py [--ns 512 1024 ...] [--ds 64 128] [--training]
+
+(``--training``: causal forward + backward, see bench_training.py.)
 
 FlashAttention-3's grid: B * N = 16384 tokens, H * D = 2048, D in {64, 128},
 N in {512 .. 32k}, causal off and on.  Rows, all timed in the same run with
@@ -307,9 +309,16 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ns", type=int, nargs="*", default=[512, 1024, 2048, 4096, 8192, 16384, 32768])
     ap.add_argument("--ds", type=int, nargs="*", default=[128, 64])
-    ap.add_argument("--out", default=os.path.join(C.ROOT, "benchmarks", "results", "forward_h200"))
+    ap.add_argument("--training", action="store_true", help="causal forward+backward and backward alone")
+    ap.add_argument("--out", default=None, help="path stem (default benchmarks/results/forward_h200 or training_h200)")
     args = ap.parse_args()
-    run(args.ns, args.ds, args.out + ".json", args.out + ".png")
+    out = args.out or os.path.join(C.ROOT, "benchmarks", "results", "training_h200" if args.training else "forward_h200")
+    if args.training:
+        import bench_training
+
+        bench_training.run(args.ns, args.ds, out + ".json", out + ".png")
+    else:
+        run(args.ns, args.ds, out + ".json", out + ".png")
 
 
 if __name__ == "__main__":

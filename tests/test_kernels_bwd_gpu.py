@@ -131,8 +131,9 @@ def _check(ops, causal, p_mode, grads, dumps):
     do = do8.float() * dos[..., None, None]
     v = R._heads(vt.transpose(-1, -2).float() * vs[..., None, None], h)
     dp = do @ v.transpose(-1, -2)
-    ds_unrounded = p_ref * (dp - delta[..., None])
-    noise = p_ref * (1e-3 * (do.abs() @ v.abs().transpose(-1, -2)) + 1e-5 * delta.abs()[..., None])
+    # From the kernel's own P: equal to the reference's but for exp's allowed flips (rule 1).
+    ds_unrounded = p_k * (dp - delta[..., None])
+    noise = p_k * (1e-3 * (do.abs() @ v.abs().transpose(-1, -2)) + 1e-5 * delta.abs()[..., None])
     # Only the dQ kernel's dump: the dK/dV kernel's dS dump disagrees with the codes its
     # own dK product consumed on the GPU (open problem, see test_dq_and_dkdv_kernels_share_ds_codes);
     # by construction both kernels compute the same codes, so dK is checked against these.

@@ -231,3 +231,21 @@ def test_lowp_attention_end_to_end(fmt, p_mode, max_rel_l2, min_cos, causal):
     cos = torch.nn.functional.cosine_similarity(out.double().flatten(), ref.double().flatten(), dim=0).item()
     assert rel <= max_rel_l2, rel
     assert cos >= min_cos, cos
+
+
+@pytest.mark.parametrize("nk", [300, 1500])
+def test_by_length_on_gpu(nk):
+    """The run-time branch on CUDA: the kernels from min_keys keys on (same result as
+    lowp_attention), cuDNN/flash SDPA below, both in the layout the op's fake promises."""
+    from fp4_inductor import ops
+    from fp4_inductor.attention import lowp_attention
+
+    q = torch.randn(2, 8, 256, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(2, 2, nk, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a kernel failure would warn and fall back
+        got = lowp_attention(q, k, v, is_causal=True, min_keys=1024)
+        want = lowp_attention(q, k, v, is_causal=True) if nk >= 1024 else \
+            torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    assert got.stride() == ops.bnhd_empty(q, 8, 256, 128, q.dtype).stride()
+    torch.testing.assert_close(got, want, rtol=0, atol=0)

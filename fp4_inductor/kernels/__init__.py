@@ -61,9 +61,9 @@ def forward_kernel(q: torch.Tensor, p_mode: str):
 def backward_kernel(q: torch.Tensor, p_mode: str):
     """The Triton sm_90 backward launcher, under the forward's conditions, else None.
 
-    Opt-in (``FP4ATTN_BWD_KERNEL=1``) until its GPU tests pass against the reference: its
-    last H200 run matched fp32 autograd within the format's error but not the reference
-    within the tests' bounds (FP8 tensor-core accumulation is not full float32).
+    Opt-in (``FP4ATTN_BWD_KERNEL=1``): its GPU tests pass against the reference on the
+    H200, but it has not been timed against the reference emulation it would replace, and
+    at 80-180 TFLOP/s (fwd+bwd) it is 3-5x slower than BF16 (benchmarks/results/training_h200.json).
     """
     if os.environ.get("FP4ATTN_BWD_KERNEL", "0") != "1" or not _applies(q) or p_mode not in P_MODES:
         return None

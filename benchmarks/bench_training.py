@@ -1,0 +1,180 @@
+"""Causal attention in training on Hopper: forward + backward and backward alone.
+
+    python benchmarks/bench_attention.py --training [--ns ...] [--ds 64 128]
+
+FlashAttention-3's grid (B * N = 16384, H * D = 2048), causal.  Rows, timed in the same
+run (triton do_bench medians):
+  - ours: ``lowp_attention`` with the Triton backward kernel (FP4ATTN_BWD_KERNEL=1), the
+    quantization of Q/K/V and dO included, as a training step runs it;
+  - torch SDPA BF16 on the cuDNN and flash backends, FlashAttention-4 BF16 (flash_attn.cute);
+  - cuDNN FP8 backward: not wired into this benchmark yet (recorded as such).
+FLOPs: 2.5x the forward's for the backward, 3.5x for both (FA3's convention).
+Accuracy: rel-L2 of dQ, dK, dV against float32 autograd on the same inputs (the worst
+of the three is the row's).  Writes benchmarks/results/training_h200.json and .png.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import traceback
+
+os.environ.setdefault("FP4ATTN_BWD_KERNEL", "1")
+
+import torch  # noqa: E402
+
+import bench_attention as BA  # noqa: E402
+import common as C  # noqa: E402
+
+from fp4_inductor.attention import lowp_attention  # noqa: E402
+
+NOT_WIRED = "not wired"
+PASSES = {"fwd+bwd": 3.5, "bwd": 2.5}
+
+
+def _sdpa(backend_name):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = getattr(SDPBackend, backend_name)
+
+    def attend(q, k, v):
+        with sdpa_kernel(backend):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    return attend
+
+
+def _fa4():
+    try:
+        from flash_attn.cute import flash_attn_func
+    except ImportError:
+        return BA.NOT_INSTALLED
+
+    def attend(q, k, v):  # FA4 takes [B, N, H, D]
+        o = flash_attn_func(*(t.transpose(1, 2) for t in (q, k, v)), causal=True)
+        return (o[0] if isinstance(o, tuple) else o).transpose(1, 2)
+
+    return attend
+
+
+def methods():
+    return {
+        "ours-direct": lambda q, k, v: lowp_attention(q, k, v, is_causal=True),
+        "sdpa-cudnn-bf16": _sdpa("CUDNN_ATTENTION"),
+        "sdpa-flash-bf16": _sdpa("FLASH_ATTENTION"),
+        "fa4-bf16": _fa4(),
+        "cudnn-fp8": NOT_WIRED,
+    }
+
+
+def _rel_l2(got, want):
+    return ((got.double() - want.double()).norm() / want.double().norm()).item()
+
+
+def run(ns, ds, out_json, out_png):
+    import triton
+    from tqdm import tqdm
+
+    doc = {"env": C.environment(), "flops": "4*B*H*N^2*D/2 (causal) x 3.5 fwd+bwd, x 2.5 bwd",
+           "timer": "triton.testing.do_bench(warmup=10 ms, rep=40 ms), median",
+           "grid": "B*N=16384, H*D=2048, causal", "results": []}
+    table = methods()
+    items = [(d, n) for d in ds for n in ns]
+    bar = tqdm(total=len(items) * len(table), desc="training", unit="run", mininterval=10)
+    signal.signal(signal.SIGTERM, BA._stop)
+    try:
+        for d, n in items:
+            _measure_shape(d, n, table, doc, bar, triton)
+            BA.save(doc, out_json)
+    except KeyboardInterrupt:
+        print("\nstopped early: writing what was measured", flush=True)
+    bar.close()
+    BA.save(doc, out_json)
+    plot(doc, out_png)
+    print_table(doc)
+
+
+def _measure_shape(d, n, table, doc, bar, triton):
+    b, h = C.fa3_shape(n, d)
+    torch.manual_seed(n * 131 + d)
+    leaves = [torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3)]
+    dout = torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16)
+    ref_in = [t.detach().float().requires_grad_() for t in leaves]
+    torch.nn.functional.scaled_dot_product_attention(*ref_in, is_causal=True).backward(dout.float())
+    ref = [t.grad for t in ref_in]
+    fwd_flops = C.attention_flops(b, h, n, n, d, True)
+    for name, attend in table.items():
+        rows = [dict(method=name, d=d, n=n, b=b, h=h, causal=True, **{"pass": p}) for p in PASSES]
+        try:
+            if attend in (BA.NOT_INSTALLED, NOT_WIRED):
+                for row in rows:
+                    row["status"] = attend
+            else:
+                _time_method(attend, leaves, dout, ref, fwd_flops, rows, triton)
+        except Exception as err:  # recorded in the table; the run goes on
+            for row in rows:
+                row["status"] = f"error: {type(err).__name__}: {str(err)[:300]}"
+            traceback.print_exc(limit=2)
+        doc["results"].extend(rows)
+        bar.update(1)
+    torch.cuda.empty_cache()
+
+
+def _time_method(attend, leaves, dout, ref, fwd_flops, rows, triton):
+    for t in leaves:
+        t.grad = None
+    out = attend(*leaves)
+    out.backward(dout, retain_graph=True)
+    rel = max(_rel_l2(t.grad, r) for t, r in zip(leaves, ref))
+
+    def fwd_bwd():
+        attend(*leaves).backward(dout)
+
+    def bwd():
+        out.backward(dout, retain_graph=True)
+
+    for row, fn in zip(rows, (fwd_bwd, bwd)):
+        ms = triton.testing.do_bench(fn, warmup=10, rep=40, grad_to_none=leaves, return_mode="median")
+        row.update(status="ok", ms=ms, tflops=fwd_flops * PASSES[row["pass"]] / ms * 1e-9, grad_rel_l2=rel)
+
+
+def print_table(doc):
+    res = [r for r in doc["results"] if r.get("status") == "ok"]
+    ns = sorted({r["n"] for r in doc["results"]})
+    for d in sorted({r["d"] for r in doc["results"]}):
+        for p in PASSES:
+            print(f"\nTFLOP/s, causal {p}, D={d}   (worst of dQ/dK/dV rel-L2 vs fp32 at the largest N)")
+            print(f"{'method':18s}" + "".join(f"{n:>8d}" for n in ns) + "   rel-L2")
+            for name in dict.fromkeys(r["method"] for r in doc["results"]):
+                cells, acc = [], ""
+                for n in ns:
+                    r = next((x for x in res if (x["method"], x["d"], x["n"], x["pass"]) == (name, d, n, p)), None)
+                    cells.append(f"{r['tflops']:8.0f}" if r else "       -")
+                    acc = f"{r['grad_rel_l2']:.4f}" if r else acc
+                print(f"{name:18s}" + "".join(cells) + f"   {acc}")
+
+
+def plot(doc, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    res = [r for r in doc["results"] if r.get("status") == "ok"]
+    ds = sorted({r["d"] for r in doc["results"]})
+    fig, axes = plt.subplots(1, 2 * len(ds), figsize=(4.5 * 2 * len(ds), 4), squeeze=False)
+    for j, (d, p) in enumerate((d, p) for d in ds for p in PASSES):
+        ax = axes[0][j]
+        for name in dict.fromkeys(r["method"] for r in res):
+            pts = sorted((r["n"], r["tflops"]) for r in res if (r["method"], r["d"], r["pass"]) == (name, d, p))
+            ax.plot([x for x, _ in pts], [y for _, y in pts], "-" if name.startswith("ours") else ":", marker="o",
+                    ms=3, label=name)
+        ax.set(xscale="log", title=f"causal {p}, D={d}", xlabel="sequence length N", ylabel="TFLOP/s")
+        ax.set_xscale("log", base=2)
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    env = doc["env"]
+    fig.suptitle(f"Attention training, {env.get('device', '?')}, torch {env['torch']}, {env['date'][:10]} "
+                 "(B*N=16384, H*D=2048)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
