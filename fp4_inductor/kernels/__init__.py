@@ -63,7 +63,8 @@ def backward_kernel(q: torch.Tensor, p_mode: str):
 
     Opt-in (``FP4ATTN_BWD_KERNEL=1``): its GPU tests pass against the reference on the
     H200, but it has not been timed against the reference emulation it would replace, and
-    at 80-180 TFLOP/s (fwd+bwd) it is 3-5x slower than BF16 (benchmarks/results/training_h200.json).
+    at 25-180 TFLOP/s (causal fwd+bwd) it is 3-9x slower than BF16 SDPA
+    (benchmarks/results/training_h200.json).
     """
     if os.environ.get("FP4ATTN_BWD_KERNEL", "0") != "1" or not _applies(q) or p_mode not in P_MODES:
         return None
