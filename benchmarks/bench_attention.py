@@ -52,12 +52,12 @@ def ours(mode, with_quant):
         fmt = "fp4" if mode == "fp4" else "fp8"
         quant = functools.partial(torch.ops.fp4attn.quantize, fmt=fmt)
         ops = quant(q, k, v, sm_scale)
-        out, lse = C.empty_outputs(b, h, n, d, dtype=q.dtype)
+        outputs = C.empty_outputs(b, h, n, d, dtype=q.dtype)
         config = A.tuned_config(d, causal, n)
 
         def run_kernel(t):
-            A.attention_forward(*t, None, causal, mode, out, lse, config=config)
-            return out
+            A.attention_forward(*t, None, causal, mode, *outputs, config=config)
+            return outputs[0]
 
         if with_quant:
             return lambda: run_kernel(quant(q, k, v, sm_scale))

@@ -39,10 +39,11 @@ def quantized_inputs(b, h, hkv, nq, nk, d, p_mode, device="cuda", dtype=torch.bf
 
 
 def empty_outputs(b, h, nq, d, dtype=torch.bfloat16, device="cuda", fill=float("nan")):
-    """O [B, H, Nq, D] stored [B, Nq, H, D] (as the op allocates it) and LSE, poisoned."""
+    """O [B, H, Nq, D] stored [B, Nq, H, D] (as the op allocates it), LSE and row reference,
+    poisoned."""
     out = torch.full((b, nq, h, d), fill, dtype=dtype, device=device).transpose(1, 2)
-    lse = torch.full((b, h, nq), fill, dtype=torch.float32, device=device)
-    return out, lse
+    lse, row_ref = (torch.full((b, h, nq), fill, dtype=torch.float32, device=device) for _ in range(2))
+    return out, lse, row_ref
 
 
 def environment() -> dict:
@@ -81,8 +82,8 @@ def _compile_one(spec):
             bias = torch.zeros(1, 1, 1, nk, device="cuda")
         elif bias_mode == 2:
             bias = torch.zeros(1, 1, n, nk, device="cuda")
-        out, lse = empty_outputs(1, 1, n, d, dtype=out_dtype)
-        A.attention_forward(q8, k8, vt, qs, ks, vs, bias, causal, p_mode, out, lse, config=config,
+        out, lse, row_ref = empty_outputs(1, 1, n, d, dtype=out_dtype)
+        A.attention_forward(q8, k8, vt, qs, ks, vs, bias, causal, p_mode, out, lse, row_ref, config=config,
                             options=dict(options), perm_p=perm, use_tma=extra.get("use_tma"))
         torch.cuda.synchronize()
         return spec, time.time() - t0, None

@@ -73,13 +73,13 @@ def run_accuracy(modes):
             keep[..., 0] = True
             bias = torch.where(keep, 0.0, -1e30)
         t0 = time.time()
-        ref_o, ref_l = R.attention_forward(q8, k8, vt, qs, ks, vs, bias, causal, mode, torch.float32)
+        ref_o, ref_l, _ = R.attention_forward(q8, k8, vt, qs, ks, vs, bias, causal, mode, torch.float32)
         t_ref = time.time() - t0
         dev = [t.cuda() for t in (q8, k8, vt, qs, ks, vs)]
         res = {}
         for name, opts in ACC_VARIANTS.items():
-            out, lse = C.empty_outputs(b, h, nq, d, dtype=torch.float32)
-            A.attention_forward(*dev, None if bias is None else bias.cuda(), causal, mode, out, lse,
+            out, lse, row_ref = C.empty_outputs(b, h, nq, d, dtype=torch.float32)
+            A.attention_forward(*dev, None if bias is None else bias.cuda(), causal, mode, out, lse, row_ref,
                                 options=dict(opts))
             out, lse = out.cpu(), lse.cpu()
             diff = out.double() - ref_o.double()
@@ -173,8 +173,8 @@ def run_timing(variants):
             continue
         b, h = C.fa3_shape(n, d)
         _, t = C.quantized_inputs(b, h, h, n, n, d, mode)
-        out, lse = C.empty_outputs(b, h, n, d)
-        fn = lambda: A.attention_forward(*t, None, causal, mode, out, lse, config=cfg, options=dict(opts),  # noqa: E731
+        outputs = C.empty_outputs(b, h, n, d)
+        fn = lambda: A.attention_forward(*t, None, causal, mode, *outputs, config=cfg, options=dict(opts),  # noqa: E731
                                          perm_p=perm)
         ms = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
         row["ms"] = ms

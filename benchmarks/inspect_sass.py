@@ -37,7 +37,7 @@ def compile_variant(d, p_mode, causal, bias_mode, block_m, warps, stages, maxnre
                     options=None, out_dtype="bf16"):
     names = K._fwd_kernel.arg_names
     ptr_types = {"Q": "*i8", "K": "*i8", "VT": "*fp8e4nv", "QS": "*fp32", "KS": "*fp32", "VS": "*fp32",
-                 "BIAS": "*fp32", "OUT": f"*{out_dtype}", "LSE": "*fp32"}
+                 "BIAS": "*fp32", "OUT": f"*{out_dtype}", "LSE": "*fp32", "ROW_REF": "*fp32"}
     if tma and not perm:
         ptr_types["K"] = f"tensordesc<i8[1, 1, {K.BLOCK_N}, {d}]>"
     if tma:

@@ -39,20 +39,20 @@ def combine_masks(attn_mask, bias_terms, keep_masks, drop_masks):
 class _LowPrecisionAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, bias, sm_scale, causal, fmt, p_mode):
-        out, lse, operands = ops.quantized_forward(q, k, v, bias, sm_scale, causal, fmt, p_mode)
-        ctx.save_for_backward(*operands, bias, out, lse)
+        out, lse, row_ref, operands = ops.quantized_forward(q, k, v, bias, sm_scale, causal, fmt, p_mode)
+        ctx.save_for_backward(*operands, bias, out, lse, row_ref)
         ctx.sm_scale, ctx.causal, ctx.p_mode = sm_scale, causal, p_mode
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q8, k8, v8t, q_scale, k_scale, v_scale, bias, out, lse = ctx.saved_tensors
-        do8, do_scale = F.quantize_do(dout, lse, ctx.p_mode)
+        q8, k8, v8t, q_scale, k_scale, v_scale, bias, out, lse, row_ref = ctx.saved_tensors
+        do8, do_scale = F.quantize_do(dout, lse, row_ref, ctx.p_mode)
         delta = (do8.float() * do_scale[..., None, None] * out.float()).sum(dim=-1)
         qe, qe_scale, ke, ke_scale = F.backward_operands(q8, q_scale, k8, k_scale)
         dq, dk, dv = torch.ops.fp4attn.bwd(
             do8, do_scale, delta, q8, k8, v8t, q_scale, k_scale, v_scale, qe, qe_scale, ke, ke_scale,
-            bias, lse, ctx.causal, ctx.p_mode, dout.dtype,
+            bias, row_ref, ctx.causal, ctx.p_mode, dout.dtype,
         )
         return dq * ctx.sm_scale, dk, dv, None, None, None, None, None
 

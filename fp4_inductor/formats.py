@@ -194,27 +194,27 @@ def mxfp4_round(x: torch.Tensor) -> torch.Tensor:
     return (q * scale).flatten(-3, -2)[..., :n, :]
 
 
-def quantize_do(do: torch.Tensor, lse: torch.Tensor, p_mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_do(do: torch.Tensor, lse: torch.Tensor, row_ref: torch.Tensor, p_mode: str
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     """dO for backward, E5M2 with one scale per head (it is contracted over channels in
     dP = dO V^T and over tokens in dV = P^T dO).
 
-    Rows are first multiplied by ``2 ** (R - LIFT - lse2)`` with ``R = ceil(lse2)``: the
-    factor turns the probability operand rebuilt against reference R into the
-    normalized probability, so it never touches the P codes.  Returns (codes, scale).
+    Rows are first multiplied by ``backward_row_factor``, which turns the probability
+    operand rebuilt against the forward's row reference into the normalized probability,
+    so it never touches the P codes.  Returns (codes, scale).
     """
-    dof = do.float() * backward_row_factor(lse, p_mode)[..., None]
+    dof = do.float() * backward_row_factor(lse, row_ref, p_mode)[..., None]
     scale = _amax_scale(dof.abs().amax(dim=(-2, -1)), E5M2_MAX)
     return _cast(dof / scale[..., None, None], E5M2, E5M2_MAX), scale
 
 
-def backward_reference(lse: torch.Tensor) -> torch.Tensor:
-    """Integer row reference used to rebuild P in backward from the natural-log LSE."""
-    return torch.ceil(lse * LOG2E)
-
-
-def backward_row_factor(lse: torch.Tensor, p_mode: str) -> torch.Tensor:
-    lse2 = lse * LOG2E
-    return torch.exp2(torch.ceil(lse2) - p_lift(p_mode) - lse2)
+def backward_row_factor(lse: torch.Tensor, row_ref: torch.Tensor, p_mode: str) -> torch.Tensor:
+    """``2 ** (R - LIFT - lse2)``: P rebuilt against the forward's integer row reference R
+    (the ceiling of the row's largest log2 score, as the forward builds its codes) times
+    this is the normalized probability.  Against R rather than ceil(lse2) the codes stay
+    in E4M3's normal range however many keys share the row (perf-notes: gradient error
+    by sequence length)."""
+    return torch.exp2(row_ref - p_lift(p_mode) - lse * LOG2E)
 
 
 def expand_block_scale(scale: torch.Tensor, n: int) -> torch.Tensor:

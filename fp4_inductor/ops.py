@@ -89,32 +89,34 @@ def attention_fwd(
     causal: bool,
     p_mode: str,
     out_dtype: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Attention over INT8 Q ``[B, H, Nq, D]`` (per-token scale), INT8 K ``[B, Hkv, Nk, D]``
     (per-block scale), E4M3 V stored K-major ``[B, Hkv, D, Nk]`` (per-head scale) and an
     optional float32 log2-unit bias broadcastable to ``[B, H, Nq, Nk]``.
-    Returns O ``[B, H, Nq, D]`` (stored ``[B, Nq, H, D]``) and the natural-log LSE
-    ``[B, H, Nq]`` of the represented probabilities."""
+    Returns O ``[B, H, Nq, D]`` (stored ``[B, Nq, H, D]``), the natural-log LSE of the
+    represented probabilities and the integer row reference of the P codes (float32
+    ``[B, H, Nq]`` each; see ``reference.attention_forward``)."""
     b, h, nq, d = q.shape
     out = bnhd_empty(q, h, nq, d, out_dtype)
-    lse = torch.empty(b, h, nq, dtype=torch.float32, device=q.device)
+    lse, row_ref = (torch.empty(b, h, nq, dtype=torch.float32, device=q.device) for _ in range(2))
     kernel = forward_kernel(q, p_mode)
     if kernel is not None:
         try:
-            kernel(q, k, v_t, q_scale, k_scale, v_scale, bias, causal, p_mode, out, lse)
-            return out, lse
+            kernel(q, k, v_t, q_scale, k_scale, v_scale, bias, causal, p_mode, out, lse, row_ref)
+            return out, lse, row_ref
         except Exception as err:  # never kill the model: same numbers from the reference
             _warn_once("fwd", f"fp4attn forward kernel failed ({err!r}); using the reference path")
-    o, l = reference.attention_forward(q, k, v_t, q_scale, k_scale, v_scale, bias, causal, p_mode, out_dtype)
-    out.copy_(o)
-    lse.copy_(l)
-    return out, lse
+    for dst, src in zip((out, lse, row_ref), reference.attention_forward(
+            q, k, v_t, q_scale, k_scale, v_scale, bias, causal, p_mode, out_dtype)):
+        dst.copy_(src)
+    return out, lse, row_ref
 
 
 @attention_fwd.register_fake
 def _(q, k, v_t, q_scale, k_scale, v_scale, bias, causal, p_mode, out_dtype):
     b, h, nq, d = q.shape
-    return bnhd_empty(q, h, nq, d, out_dtype), q.new_empty(b, h, nq, dtype=torch.float32)
+    row = q.new_empty(b, h, nq, dtype=torch.float32)
+    return bnhd_empty(q, h, nq, d, out_dtype), row, torch.empty_like(row)
 
 
 @torch.library.custom_op("fp4attn::bwd", mutates_args=())
@@ -133,7 +135,7 @@ def attention_bwd(
     ke: torch.Tensor,
     ke_scale: torch.Tensor,
     bias: torch.Tensor | None,
-    lse: torch.Tensor,
+    row_ref: torch.Tensor,
     causal: bool,
     p_mode: str,
     out_dtype: torch.dtype,
@@ -148,13 +150,13 @@ def attention_bwd(
     if kernel is not None:
         try:
             kernel(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale, qe, qe_scale, ke, ke_scale,
-                   bias, lse, causal, p_mode, dq, dk, dv)
+                   bias, row_ref, causal, p_mode, dq, dk, dv)
             return dq, dk, dv
         except Exception as err:  # never kill the model: same numbers from the reference
             _warn_once("bwd", f"fp4attn backward kernel failed ({err!r}); using the reference path")
     grads = reference.attention_backward(
         do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale, qe, qe_scale, ke, ke_scale,
-        bias, lse, causal, p_mode, out_dtype,
+        bias, row_ref, causal, p_mode, out_dtype,
     )
     for dst, src in zip((dq, dk, dv), grads):
         dst.copy_(src)
@@ -162,7 +164,7 @@ def attention_bwd(
 
 
 @attention_bwd.register_fake
-def _(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale, qe, qe_scale, ke, ke_scale, bias, lse, causal, p_mode, out_dtype):
+def _(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale, qe, qe_scale, ke, ke_scale, bias, row_ref, causal, p_mode, out_dtype):
     h, hkv, d = q.shape[1], k.shape[1], q.shape[-1]
     return (
         bnhd_empty(q, h, q.shape[2], d, out_dtype),
@@ -172,13 +174,14 @@ def _(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale, qe, qe_scale, k
 
 
 def quantized_forward(q, k, v, bias, sm_scale, causal, fmt, p_mode):
-    """quantize + fwd: the output, its LSE and the quantized operands backward needs."""
+    """quantize + fwd: the output, its LSE, the row reference and the quantized operands
+    (what backward needs)."""
     out_dtype, op_scale = q.dtype, sm_scale
     if not isinstance(sm_scale, (int, float)):  # a tensor or symbolic scale: fold it in first
         q, op_scale = q.float() * sm_scale, 1.0
     operands = torch.ops.fp4attn.quantize(q, k, v, float(op_scale), fmt)
-    out, lse = torch.ops.fp4attn.fwd(*operands, bias, causal, p_mode, out_dtype)
-    return out, lse, operands
+    out, lse, row_ref = torch.ops.fp4attn.fwd(*operands, bias, causal, p_mode, out_dtype)
+    return out, lse, row_ref, operands
 
 
 @torch.library.custom_op("fp4attn::by_length", mutates_args=())

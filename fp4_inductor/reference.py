@@ -2,8 +2,8 @@
 
 The forward walks key tiles of ``formats.KEY_TILE`` in order with an integer running
 maximum, exactly like the kernels, so P codes match bit for bit and outputs differ only
-by float32 summation order.  The backward rebuilds P against ``ceil(lse2)`` (see
-``formats.quantize_do``).  On CPU (and wherever no kernel exists) the custom ops run
+by float32 summation order.  The backward rebuilds P against the forward's integer row
+reference (see ``formats.backward_row_factor``).  On CPU (and wherever no kernel exists) the custom ops run
 these functions.
 """
 
@@ -80,8 +80,10 @@ def attention_forward(
     causal: bool,
     p_mode: str,
     out_dtype: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns O ``[B, H, Nq, D]`` in ``out_dtype`` and the natural-log LSE ``[B, H, Nq]``."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns O ``[B, H, Nq, D]`` in ``out_dtype``, the natural-log LSE ``[B, H, Nq]`` and
+    the integer row reference the codes were last built against (the ceiling of each
+    row's largest log2 score, float32 ``[B, H, Nq]``), which backward rebuilds P from."""
     b, h, nq, d = q8.shape
     nk = k8.shape[-2]
     v = _heads(v8t.transpose(-1, -2), h).float()
@@ -100,7 +102,7 @@ def attention_forward(
         m = m_new
     out = acc * (_heads(v_scale, h)[..., None, None] / l)
     lse = (m + torch.log2(l) - F.p_lift(p_mode)) * F.LN2
-    return out.to(out_dtype), lse.squeeze(-1)
+    return out.to(out_dtype), lse.squeeze(-1), m.squeeze(-1)
 
 
 def _quantize_ds_tiles(ds: torch.Tensor) -> torch.Tensor:
@@ -130,7 +132,7 @@ def attention_backward(
     ke: torch.Tensor,
     ke_scale: torch.Tensor,
     bias: torch.Tensor | None,
-    lse: torch.Tensor,
+    row_ref: torch.Tensor,
     causal: bool,
     p_mode: str,
     out_dtype: torch.dtype,
@@ -145,7 +147,7 @@ def attention_backward(
     v = _heads(v8t.transpose(-1, -2), h).float() * _heads(v_scale, h)[..., None, None]
     k = _heads(F.dequantize_blockwise(ke, ke_scale), h)
     q = F.dequantize_blockwise(qe, qe_scale)
-    r = F.backward_reference(lse)
+    r = row_ref.float()
     # One DS_TILE row block at a time: memory grows with N, not N**2, and the dS tiles
     # stay aligned at 0 as the kernels' are.
     dq, dk, dv = [], 0.0, 0.0

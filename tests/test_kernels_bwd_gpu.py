@@ -1,6 +1,6 @@
 """The Triton sm_90 backward kernels against ``reference.attention_backward``.
 
-Operands come from the real pipeline (reference forward for O and LSE, then
+Operands come from the real pipeline (reference forward for O, LSE and row reference, then
 ``formats.quantize_do``, ``delta`` and ``formats.backward_operands``), built once on the
 CPU; the reference runs on the CPU.  The kernels dump (test-only ``debug`` buffers) the P
 operand and the dequantized dS they fed to the tensor cores, which lets the checks be
@@ -51,11 +51,11 @@ def _operands(b, h, hkv, nq, nk, d, p_mode, causal, bias_kind=None):
     """Backward operands on the CPU, produced as attention.py produces them."""
     (q8, k8, vt, qs, ks, vs), bias = quantized_operands(b, h, hkv, nq, nk, d, p_mode, bias_kind)
     dout = torch.randn(b, h, nq, d)
-    out, lse = R.attention_forward(q8, k8, vt, qs, ks, vs, bias, causal, p_mode, torch.float32)
-    do8, dos = F.quantize_do(dout, lse, p_mode)
+    out, lse, row_ref = R.attention_forward(q8, k8, vt, qs, ks, vs, bias, causal, p_mode, torch.float32)
+    do8, dos = F.quantize_do(dout, lse, row_ref, p_mode)
     delta = (do8.float() * dos[..., None, None] * out).sum(dim=-1)
     qe, qes, ke, kes = F.backward_operands(q8, qs, k8, ks)
-    return (do8, dos, delta, q8, k8, vt, qs, ks, vs, qe, qes, ke, kes, bias, lse)
+    return (do8, dos, delta, q8, k8, vt, qs, ks, vs, qe, qes, ke, kes, bias, row_ref)
 
 
 def _run(ops, causal, p_mode, out_dtype=torch.float32, debug=True):
@@ -110,7 +110,7 @@ def _check_ds_codes(ds_kernel, ds_unrounded, noise):
 
 
 def _check(ops, causal, p_mode, grads, dumps):
-    do8, dos, delta, q8, k8, vt, qs, ks, vs, qe, qes, ke, kes, bias, lse = ops
+    do8, dos, delta, q8, k8, vt, qs, ks, vs, qe, qes, ke, kes, bias, row_ref = ops
     h, hkv = q8.shape[1], k8.shape[1]
     for g in grads:
         assert not g.isnan().any(), "unwritten or NaN gradient"
@@ -118,7 +118,7 @@ def _check(ops, causal, p_mode, grads, dumps):
 
     # 1. P codes
     x = R.log2_scores(q8, k8, qs, ks, bias, causal, slice(0, k8.shape[-2]))
-    p_ref = R._probability(x, F.backward_reference(lse)[..., None], p_mode)
+    p_ref = R._probability(x, row_ref[..., None], p_mode)
     flips = p_k != p_ref
     if p_mode == "exp":
         assert flips.sum() <= 1e-4 * flips.numel(), f"{int(flips.sum())} P codes differ"

@@ -54,15 +54,19 @@ def _run_kernel(ops, bias, causal, p_mode, out_dtype=torch.float32, **kw):
     b, h, nq, d = q8.shape
     # Allocated as the op does: [B, H, Nq, D] stored [B, Nq, H, D]; poisoned.
     out = torch.full((b, nq, h, d), float("nan"), dtype=out_dtype, device="cuda").transpose(1, 2)
-    lse = torch.full((b, h, nq), float("nan"), device="cuda")
+    lse, row_ref = (torch.full((b, h, nq), float("nan"), device="cuda") for _ in range(2))
     dev = [t.cuda() for t in ops]
-    _launcher()(*dev, None if bias is None else bias.cuda(), causal, p_mode, out, lse, **kw)
+    _launcher()(*dev, None if bias is None else bias.cuda(), causal, p_mode, out, lse, row_ref, **kw)
     torch.cuda.synchronize()
-    return out.cpu(), lse.cpu()
+    return out.cpu(), lse.cpu(), row_ref.cpu()
 
 
-def _check(out, lse, ref_o, ref_l, p_mode):
+def _check(got, ref, p_mode):
+    """``got``/``ref``: (O, LSE, row reference) of the kernel and of the reference."""
+    (out, lse, row_ref), (ref_o, ref_l, ref_r) = got, ref
     assert not out.isnan().any() and not lse.isnan().any(), "unwritten or NaN output"
+    # Integer ceilings of exact INT8 scores: equal in every mode.
+    assert torch.equal(row_ref, ref_r), "row reference differs from the reference's"
     diff = (out.double() - ref_o.double()).abs()
     rel = (diff.norm() / ref_o.double().norm()).item()
     scale = ref_o.abs().max().item()
@@ -103,31 +107,29 @@ SHAPES = [  # (B, H, Hkv, Nq, Nk, bias)
 def test_matches_reference(shape, p_mode, d, causal):
     b, h, hkv, nq, nk, bias_kind = shape
     ops, bias = _inputs(b, h, hkv, nq, nk, d, p_mode, bias_kind)
-    ref_o, ref_l = R.attention_forward(*ops, bias, causal, p_mode, torch.float32)
-    out, lse = _run_kernel(ops, bias, causal, p_mode)
-    _check(out, lse, ref_o, ref_l, p_mode)
+    ref = R.attention_forward(*ops, bias, causal, p_mode, torch.float32)
+    _check(_run_kernel(ops, bias, causal, p_mode), ref, p_mode)
 
 
 @pytest.mark.parametrize("p_mode", F.P_MODES)
 def test_dense_bias(p_mode):
     """A full [B, H, Nq, Nk] additive bias (its own load path), causal on top."""
     ops, bias = _inputs(1, 4, 2, 203, 799, 128, p_mode, "dense")
-    ref_o, ref_l = R.attention_forward(*ops, bias, True, p_mode, torch.float32)
-    out, lse = _run_kernel(ops, bias, True, p_mode)
-    _check(out, lse, ref_o, ref_l, p_mode)
+    ref = R.attention_forward(*ops, bias, True, p_mode, torch.float32)
+    _check(_run_kernel(ops, bias, True, p_mode), ref, p_mode)
 
 
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
 def test_low_precision_output(out_dtype):
     """bf16/fp16 outputs: within one rounding of the output type of the reference."""
     ops, bias = _inputs(2, 4, 2, 1023, 1023, 128, "direct")
-    ref_o, ref_l = R.attention_forward(*ops, bias, False, "direct", torch.float32)
-    out, lse = _run_kernel(ops, bias, False, "direct", out_dtype=out_dtype)
+    ref_o, ref_l, ref_r = R.attention_forward(*ops, bias, False, "direct", torch.float32)
+    out, lse, row_ref = _run_kernel(ops, bias, False, "direct", out_dtype=out_dtype)
     assert out.dtype == out_dtype and not out.isnan().any()
     # One rounding to the output type (eps/2 relative) on top of the float32 tolerance.
     eps = torch.finfo(out_dtype).eps
     assert ((out.float() - ref_o).abs() <= eps * ref_o.abs() + TOL["direct"][1] * ref_o.abs().max()).all()
-    assert (lse - ref_l).abs().max() <= TOL["direct"][2]
+    assert (lse - ref_l).abs().max() <= TOL["direct"][2] and torch.equal(row_ref, ref_r)
 
 
 def test_load_paths_agree():
@@ -136,16 +138,15 @@ def test_load_paths_agree():
     base = _run_kernel(ops, bias, True, "direct")
     for kw in (dict(use_tma=False), dict(perm_p=False), dict(use_tma=False, perm_p=False)):
         other = _run_kernel(ops, bias, True, "direct", **kw)
-        assert torch.equal(base[0], other[0]) and torch.equal(base[1], other[1]), kw
+        assert all(torch.equal(x, y) for x, y in zip(base, other)), kw
 
 
 @pytest.mark.parametrize("config", [(128, 8, 2, None), (64, 4, 2, 168), (64, 4, 3, None)])
 def test_tile_configs_agree(config):
     """The query tile size does not change the result (the reference has none)."""
     ops, bias = _inputs(1, 4, 4, 799, 1023, 64, "direct")
-    ref_o, ref_l = R.attention_forward(*ops, bias, True, "direct", torch.float32)
-    out, lse = _run_kernel(ops, bias, True, "direct", config=config)
-    _check(out, lse, ref_o, ref_l, "direct")
+    ref = R.attention_forward(*ops, bias, True, "direct", torch.float32)
+    _check(_run_kernel(ops, bias, True, "direct", config=config), ref, "direct")
 
 
 @pytest.mark.parametrize("where", ["q", "k", "v"])
@@ -155,14 +156,15 @@ def test_nan_propagates_like_reference(where):
     q, k, v = torch.randn(b, h, n, d), torch.randn(b, hkv, n, d), torch.randn(b, hkv, n, d)
     {"q": q, "k": k, "v": v}[where][0, 0, 137, 5] = float("nan")
     ops = F.quantize_inputs(q, k, v, d ** -0.5, "fp8")
-    ref_o, ref_l = R.attention_forward(*ops, None, False, "direct", torch.float32)
+    ref_o, ref_l, ref_r = R.attention_forward(*ops, None, False, "direct", torch.float32)
     out = torch.full((b, n, h, d), 0.5, device="cuda").transpose(1, 2)  # poison that is not NaN
-    lse = torch.full((b, h, n), 0.5, device="cuda")
-    _launcher()(*[t.cuda() for t in ops], None, False, "direct", out, lse)
-    out, lse = out.cpu(), lse.cpu()
+    lse, row_ref = (torch.full((b, h, n), 0.5, device="cuda") for _ in range(2))
+    _launcher()(*[t.cuda() for t in ops], None, False, "direct", out, lse, row_ref)
+    out, lse, row_ref = out.cpu(), lse.cpu(), row_ref.cpu()
     assert ref_o.isnan().any(), "the test should inject a NaN the reference sees"
     assert torch.equal(out.isnan(), ref_o.isnan())
     assert torch.equal(lse.isnan(), ref_l.isnan())
+    assert torch.equal(row_ref.isnan(), ref_r.isnan())
     ok = ~ref_o.isnan()
     if ok.any():
         err = (out[ok].double() - ref_o[ok].double()).abs().max().item()
@@ -181,10 +183,10 @@ def test_large_scores_do_not_overflow(p_mode):
     q8, k8, _, qs, ks, _ = ops
     x = R.log2_scores(q8, k8, qs, ks, None, False, slice(0, n))
     assert x.abs().max() >= 1e4 * F.LOG2E  # natural-log scores of 1e4 and more
-    ref_o, ref_l = R.attention_forward(*ops, None, False, p_mode, torch.float32)
-    out, lse = _run_kernel(ops, None, False, p_mode)
-    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
-    _check(out, lse, ref_o, ref_l, p_mode)
+    ref = R.attention_forward(*ops, None, False, p_mode, torch.float32)
+    got = _run_kernel(ops, None, False, p_mode)
+    assert all(torch.isfinite(t).all() for t in got)
+    _check(got, ref, p_mode)
 
 
 def test_custom_op_dispatches_to_kernel():
@@ -196,10 +198,10 @@ def test_custom_op_dispatches_to_kernel():
     assert kernels.forward_kernel(dev[0], "direct") is not None
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
-        out, lse = torch.ops.fp4attn.fwd(*dev, None, False, "direct", torch.bfloat16)
-    ref_o, ref_l = R.attention_forward(q8, k8, vt, qs, ks, vs, None, False, "direct", torch.float32)
+        out, lse, row_ref = torch.ops.fp4attn.fwd(*dev, None, False, "direct", torch.bfloat16)
+    ref_o, ref_l, ref_r = R.attention_forward(q8, k8, vt, qs, ks, vs, None, False, "direct", torch.float32)
     assert out.stride() == (203 * 4 * 128, 128, 4 * 128, 1)  # [B, N, H, D] storage
-    assert (lse.cpu() - ref_l).abs().max() <= TOL["direct"][2]
+    assert (lse.cpu() - ref_l).abs().max() <= TOL["direct"][2] and torch.equal(row_ref.cpu(), ref_r)
     assert ((out.float().cpu() - ref_o).abs() <= 1e-2 * ref_o.abs() + 1e-3).all()
 
 

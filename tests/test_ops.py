@@ -54,14 +54,15 @@ def test_fwd_opcheck(causal, bias, p_mode):
 
 def test_fwd_fake_strides_match_real():
     args = _fwd_args()
-    out, lse = torch.ops.fp4attn.fwd(*args)
+    real = torch.ops.fp4attn.fwd(*args)
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode() as mode:
         fake_args = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
-        fout, flse = torch.ops.fp4attn.fwd(*fake_args)
-    assert fout.shape == out.shape and fout.stride() == out.stride() and fout.dtype == out.dtype
-    assert flse.shape == lse.shape and flse.stride() == lse.stride()
+        fake = torch.ops.fp4attn.fwd(*fake_args)
+    for f, r in zip(fake, real, strict=True):
+        assert f.shape == r.shape and f.stride() == r.stride() and f.dtype == r.dtype
+    out = real[0]
     # [B, H, N, D] stored as [B, N, H, D]: the usual transpose(1, 2).reshape is free.
     assert out.transpose(1, 2).is_contiguous()
 
@@ -69,11 +70,11 @@ def test_fwd_fake_strides_match_real():
 @pytest.mark.parametrize("causal", [False, True])
 def test_bwd_opcheck(causal):
     q8, k8, v8t, qs, ks, vs, bias, causal, p_mode, dtype = _fwd_args(causal=causal, bias=True)
-    out, lse = torch.ops.fp4attn.fwd(q8, k8, v8t, qs, ks, vs, bias, causal, p_mode, dtype)
-    do8, do_scale = F.quantize_do(torch.randn(out.shape), lse, p_mode)
+    out, lse, row_ref = torch.ops.fp4attn.fwd(q8, k8, v8t, qs, ks, vs, bias, causal, p_mode, dtype)
+    do8, do_scale = F.quantize_do(torch.randn(out.shape), lse, row_ref, p_mode)
     delta = (do8.float() * do_scale[..., None, None] * out.float()).sum(-1)
     qe, qes, ke, kes = F.backward_operands(q8, qs, k8, ks)
-    args = (do8, do_scale, delta, q8, k8, v8t, qs, ks, vs, qe, qes, ke, kes, bias, lse, causal, p_mode, dtype)
+    args = (do8, do_scale, delta, q8, k8, v8t, qs, ks, vs, qe, qes, ke, kes, bias, row_ref, causal, p_mode, dtype)
     _opcheck(torch.ops.fp4attn.bwd.default, args)
     dq, dk, dv = torch.ops.fp4attn.bwd(*args)
     assert dq.shape == (2, 4, 70, 64) and dk.shape == dv.shape == (2, 2, 150, 64)
@@ -87,16 +88,16 @@ def test_kernel_failure_falls_back_and_warns_once(monkeypatch):
     monkeypatch.setattr(ops, "_warned", set())
     args = _fwd_args()
     with pytest.warns(RuntimeWarning, match="simulated launch failure"):
-        out, lse = torch.ops.fp4attn.fwd(*args)
+        first = torch.ops.fp4attn.fwd(*args)
     import warnings
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        again, _ = torch.ops.fp4attn.fwd(*args)  # second failure: silent
+        again = torch.ops.fp4attn.fwd(*args)  # second failure: silent
     from fp4_inductor import reference
 
-    ref, ref_lse = reference.attention_forward(*args)
-    assert torch.equal(out, ref) and torch.equal(again, ref) and torch.equal(lse, ref_lse)
+    for got_first, got_again, ref in zip(first, again, reference.attention_forward(*args), strict=True):
+        assert torch.equal(got_first, ref) and torch.equal(got_again, ref)
 
 
 @pytest.mark.parametrize("nk", [40, 150])

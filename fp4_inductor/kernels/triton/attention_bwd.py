@@ -3,7 +3,7 @@
 Computes what ``reference.attention_backward`` specifies.  Per (128 keys x 128 queries)
 tile, which is both a K scale block and one ``formats.DS_TILE``:
   x = int8 q.k * (q_scale * log2e * k_scale) [+ bias], masked     (exact int32 products)
-  p = formats.probability_operand(x, ceil(lse * log2e))            (bit-identical codes)
+  p = formats.probability_operand(x, r)  (r: the forward's row reference; bit-identical codes)
   dP = (E5M2 dO . E4M3 V^T) * do_scale * v_scale
   dS = p * (dP - delta) -> E4M3 with the tile's amax scale
   dV += (E4M3 P^T . E5M2 dO) * do_scale,  dK += (E4M3 dS^T . E4M3 Qe) * ds_scale * qe_scale,
@@ -124,7 +124,7 @@ def _tile(k, v, q, do, row_t, r, delta, k_scale, dov_scale, b_ptrs, offs_m, offs
     """One transposed tile: P^T and dS^T codes [keys, queries] and the dS tile scale.
 
     k, v: [keys, D] INT8 / E4M3; q, do: [queries, D] INT8 / E5M2; row_t = q_scale * log2e,
-    r = ceil(lse * log2e), delta: [queries]; dov_scale = do_scale * v_scale."""
+    r (the forward's integer row reference), delta: [queries]; dov_scale = do_scale * v_scale."""
     s = tl.dot(k, tl.trans(q), out_dtype=tl.int32)
     s = (s + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0  # exact: |s| < 2**22
     t = row_t * k_scale  # rounded as the reference's row * col
@@ -161,7 +161,7 @@ _NO_SPECIALIZE = ["stride_dsb", "stride_dsh", "stride_dlb", "stride_dlh", "strid
 
 @triton.jit(do_not_specialize=_NO_SPECIALIZE)
 def _bwd_dkdv_kernel(
-    DO, DOT, DOS, DELTA, Q, K, V, QS, KS, VS, QET, QES, BIAS, LSE, DK, DV, DBG_P, DBG_DS, DBG_DP,
+    DO, DOT, DOS, DELTA, Q, K, V, QS, KS, VS, QET, QES, BIAS, ROW_REF, DK, DV, DBG_P, DBG_DS, DBG_DP,
     stride_dob, stride_doh, stride_dom, stride_dod,
     stride_dtb, stride_dth, stride_dtd, stride_dtm,
     stride_dsb, stride_dsh,
@@ -175,7 +175,7 @@ def _bwd_dkdv_kernel(
     stride_qtb, stride_qth, stride_qtd, stride_qtm,
     stride_qesb, stride_qesh, stride_qesm,
     stride_bb, stride_bh, stride_bm, stride_bn,
-    stride_lb, stride_lh, stride_lm,
+    stride_rb, stride_rh, stride_rm,
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
     H, HKV, GROUP, NQ, NK,
@@ -219,8 +219,7 @@ def _bwd_dkdv_kernel(
                          + offs_d[None, :] * stride_dod, mask=m_ok[:, None], other=0.0)
             row_t = tl.load(QS + b * stride_qsb + h * stride_qsh + offs_m * stride_qsm, mask=m_ok,
                             other=0.0) * 1.4426950408889634
-            lse = tl.load(LSE + b * stride_lb + h * stride_lh + offs_m * stride_lm, mask=m_ok, other=0.0)
-            r = tl.math.ceil(lse * 1.4426950408889634)
+            r = tl.load(ROW_REF + b * stride_rb + h * stride_rh + offs_m * stride_rm, mask=m_ok, other=0.0)
             delta = tl.load(DELTA + b * stride_dlb + h * stride_dlh + offs_m * stride_dlm, mask=m_ok, other=0.0)
             b_ptrs = BIAS + b * stride_bb + h * stride_bh + offs_m[None, :] * stride_bm + offs_n[:, None] * stride_bn
             if EMULATE:
@@ -256,7 +255,7 @@ def _bwd_dkdv_kernel(
 
 @triton.jit(do_not_specialize=_NO_SPECIALIZE)
 def _bwd_dq_kernel(
-    DO, DOS, DELTA, Q, K, V, QS, KS, VS, KET, KES, BIAS, LSE, DQ, DBG_DS,
+    DO, DOS, DELTA, Q, K, V, QS, KS, VS, KET, KES, BIAS, ROW_REF, DQ, DBG_DS,
     stride_dob, stride_doh, stride_dom, stride_dod,
     stride_dsb, stride_dsh,
     stride_dlb, stride_dlh, stride_dlm,
@@ -269,7 +268,7 @@ def _bwd_dq_kernel(
     stride_ktb, stride_kth, stride_ktd, stride_ktn,
     stride_kesb, stride_kesh, stride_kesn,
     stride_bb, stride_bh, stride_bm, stride_bn,
-    stride_lb, stride_lh, stride_lm,
+    stride_rb, stride_rh, stride_rm,
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
     H, HKV, GROUP, NQ, NK,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -295,8 +294,7 @@ def _bwd_dq_kernel(
     if EMULATE:
         do = do.to(tl.float32)
     row_t = tl.load(QS + b * stride_qsb + h * stride_qsh + offs_m * stride_qsm, mask=m_ok, other=0.0) * 1.4426950408889634
-    lse = tl.load(LSE + b * stride_lb + h * stride_lh + offs_m * stride_lm, mask=m_ok, other=0.0)
-    r = tl.math.ceil(lse * 1.4426950408889634)
+    r = tl.load(ROW_REF + b * stride_rb + h * stride_rh + offs_m * stride_rm, mask=m_ok, other=0.0)
     delta = tl.load(DELTA + b * stride_dlb + h * stride_dlh + offs_m * stride_dlm, mask=m_ok, other=0.0)
     do_scale = tl.load(DOS + b * stride_dsb + h * stride_dsh)
     v_scale = tl.load(VS + b * stride_vsb + hk * stride_vsh)
@@ -360,7 +358,7 @@ def _token_major(x: torch.Tensor) -> torch.Tensor:
 
 
 def attention_backward(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale, qe, qe_scale, ke, ke_scale,
-                       bias, lse, causal, p_mode, dq, dk, dv, config=None, debug=None, emulate=None,
+                       bias, row_ref, causal, p_mode, dq, dk, dv, config=None, debug=None, emulate=None,
                        options=None):
     """Launch both backward kernels into the preallocated ``dq`` [B, H, Nq, D] and ``dk``,
     ``dv`` [B, Hkv, Nk, D] (any strides).  Arguments as ``reference.attention_backward``.
@@ -384,20 +382,20 @@ def attention_backward(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale
         dk.zero_()
         dv.zero_()
         return
-    do_scale, delta, q_scale, k_scale, v_scale, qe_scale, ke_scale, lse = (
-        t.float() for t in (do_scale, delta, q_scale, k_scale, v_scale, qe_scale, ke_scale, lse))
+    do_scale, delta, q_scale, k_scale, v_scale, qe_scale, ke_scale, row_ref = (
+        t.float() for t in (do_scale, delta, q_scale, k_scale, v_scale, qe_scale, ke_scale, row_ref))
     # Token-contiguous operands for the products contracted over tokens (module docstring).
     do_t, qe_t, ke_t = _token_major(do), _token_major(qe), _token_major(ke)
     v = v_t.transpose(-1, -2).contiguous()
 
     has_bias = bias is not None
-    bias_arg, bias_strides = lse, (0, 0, 0, 0)  # never read without a bias
+    bias_arg, bias_strides = row_ref, (0, 0, 0, 0)  # never read without a bias
     if has_bias:
         bias_arg = bias.float().expand(b, h, nq, nk)
         bias_strides = bias_arg.stride()
     if debug is not None and len(debug) == 3:
         debug = (*debug, torch.empty_like(debug[0]))
-    dbg = debug if debug is not None else (lse, lse, lse, lse)
+    dbg = debug if debug is not None else (row_ref,) * 4
     if debug is not None:
         assert all(t.is_contiguous() and t.shape == (b, h, nq, nk) and t.dtype == torch.float32 for t in debug)
     consts = dict(HEAD_DIM=d, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, P_MODE=_P_MODE_ID[p_mode], CAUSAL=bool(causal),
@@ -405,11 +403,11 @@ def attention_backward(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale
                   **OPTIONS)
     consts.update(options or {})
     cfg = dict(CONFIG, **(config or {}))
-    common_tail = (*bias_strides, *lse.stride())
+    common_tail = (*bias_strides, *row_ref.stride())
 
     warps, stages = cfg["dkdv"]
     _bwd_dkdv_kernel[(triton.cdiv(nk, BLOCK_N), b * hkv)](
-        do, do_t, do_scale, delta, q, k, v, q_scale, k_scale, v_scale, qe_t, qe_scale, bias_arg, lse, dk, dv,
+        do, do_t, do_scale, delta, q, k, v, q_scale, k_scale, v_scale, qe_t, qe_scale, bias_arg, row_ref, dk, dv,
         dbg[0], dbg[1], dbg[3],
         *do.stride(), *do_t.stride(), *do_scale.stride(), *delta.stride(), *q.stride(), *k.stride(), *v.stride(),
         *q_scale.stride(), *k_scale.stride(), *v_scale.stride(), *qe_t.stride(), *qe_scale.stride(),
@@ -418,7 +416,7 @@ def attention_backward(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale
     )
     warps, stages = cfg["dq"]
     _bwd_dq_kernel[(triton.cdiv(nq, BLOCK_M), b * h)](
-        do, do_scale, delta, q, k, v, q_scale, k_scale, v_scale, ke_t, ke_scale, bias_arg, lse, dq, dbg[2],
+        do, do_scale, delta, q, k, v, q_scale, k_scale, v_scale, ke_t, ke_scale, bias_arg, row_ref, dq, dbg[2],
         *do.stride(), *do_scale.stride(), *delta.stride(), *q.stride(), *k.stride(), *v.stride(),
         *q_scale.stride(), *k_scale.stride(), *v_scale.stride(), *ke_t.stride(), *ke_scale.stride(),
         *common_tail, *dq.stride(),

@@ -232,7 +232,7 @@ _NO_SPECIALIZE = ["stride_vb", "stride_vh", "stride_vd", "stride_qsb", "stride_q
 
 @triton.jit(do_not_specialize=_NO_SPECIALIZE)
 def _fwd_kernel(
-    Q, K, VT, QS, KS, VS, BIAS, OUT, LSE,
+    Q, K, VT, QS, KS, VS, BIAS, OUT, LSE, ROW_REF,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vd, stride_vn,
@@ -305,7 +305,9 @@ def _fwd_kernel(
     o_ptrs = OUT + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od
     tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=row_ok[:, None])
     lse = (m_i + tl.math.log2(l_i) - LIFT) * 0.6931471805599453  # LN2
-    tl.store(LSE + b * stride_lb + h * stride_lh + offs_m * stride_lm, lse, mask=row_ok)
+    row = b * stride_lb + h * stride_lh + offs_m * stride_lm
+    tl.store(LSE + row, lse, mask=row_ok)
+    tl.store(ROW_REF + row, m_i, mask=row_ok)  # backward rebuilds P against it
 
 
 # ------------------------------------------------------------------------ launch
@@ -367,10 +369,11 @@ PERM_P = True
 OPTIONS = dict(PV_SPLIT=True, CVT_I2F=True)
 
 
-def attention_forward(q, k, v_t, q_scale, k_scale, v_scale, bias, causal, p_mode, out, lse,
+def attention_forward(q, k, v_t, q_scale, k_scale, v_scale, bias, causal, p_mode, out, lse, row_ref,
                       config=None, use_tma=None, perm_p=None, options=None):
     """Launch the forward kernel into the preallocated ``out`` [B, H, Nq, D] (any strides)
-    and ``lse`` [B, H, Nq] float32.  ``config`` = (BLOCK_M, num_warps, num_stages, maxnreg)
+    and ``lse``, ``row_ref`` [B, H, Nq] float32 with equal strides.  ``config`` = (BLOCK_M,
+    num_warps, num_stages, maxnreg)
     overrides the default (benchmarks use it); ``FP4ATTN_AUTOTUNE=1`` autotunes.
     ``use_tma=False`` forces the pointer path (tests use it to cover both)."""
     b, h, nq, d = q.shape
@@ -385,6 +388,8 @@ def attention_forward(q, k, v_t, q_scale, k_scale, v_scale, bias, causal, p_mode
         return
     if nk == 0:
         raise ValueError("attention over zero keys")
+    if row_ref.stride() != lse.stride():
+        raise ValueError("lse and row_ref must share strides")
     q_scale, k_scale, v_scale = (s.float() for s in (q_scale, k_scale, v_scale))
 
     bias_mode, bias_strides, bias_arg = 0, (0, 0, 0, 0), q_scale  # bias_arg never read when mode 0
@@ -400,7 +405,7 @@ def attention_forward(q, k, v_t, q_scale, k_scale, v_scale, bias, causal, p_mode
         v_desc = _descriptor(v_t, (1, 1, d, BLOCK_N))
     tma = k_desc is not None and v_desc is not None
     args = (
-        q, k_desc if tma else k, v_desc if tma else v_t, q_scale, k_scale, v_scale, bias_arg, out, lse,
+        q, k_desc if tma else k, v_desc if tma else v_t, q_scale, k_scale, v_scale, bias_arg, out, lse, row_ref,
         *q.stride(), *k.stride(), *v_t.stride(),
         *q_scale.stride(), *k_scale.stride(), *v_scale.stride(),
         *bias_strides, *out.stride(), *lse.stride(),
