@@ -112,11 +112,12 @@ def main():
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "policy_grid_h200"))
     args = ap.parse_args()
     gpu = torch.cuda.get_device_name()
+    model = policy.cost_model(torch.device("cuda", torch.cuda.current_device()))
     rows = []
     for shape in tqdm(list(grid()), desc="policy grid", unit="shape"):
         site = policy.SiteShape(shape["b"], shape["h"], shape["h"], shape["n"], shape["n"], shape["d"],
                                 shape["causal"], shape["training"])
-        decision = policy.cost_model_decision(site, "fp8", gpu)
+        decision = policy.cost_model_decision(site, "fp8", model, gpu)
         row = {**shape, **measure(shape), "pick": decision.path, "reason": decision.reason,
                "predicted_speedup": decision.predicted_speedup}
         best = min(row["bf16_ms"], row["fp8_ms"])
@@ -129,7 +130,7 @@ def main():
                "fp8_faster": sum(r["fp8_ms"] < r["bf16_ms"] for r in rows),
                "target_met": right >= 0.95 * len(rows) and all(r["regret"] <= TOLERANCE for r in rows)}
     env = {"device": gpu, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "torch": torch.__version__, "table": policy.table_for(gpu).source if policy.table_for(gpu) else None}
+           "torch": torch.__version__, "table": model.source if model else None}
     doc = {"env": env, "summary": summary, "rows": rows}
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out + ".json", "w") as f:

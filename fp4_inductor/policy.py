@@ -4,7 +4,8 @@ Support checks come first (anything the low-precision op cannot compute exactly 
 site means it stays as written); then per-site overrides; then the policy: ``never``,
 ``always`` (low precision wherever supported; on a device without a kernel this runs the
 reference emulation), or ``auto``: decisions measured by ``tune()`` on this GPU, else the
-cost model over the GPU's measured table in ``tables/``, else BF16.
+cost model over the GPU's measured table in ``tables/``, else a conservative analytic
+model of the GPU's peaks (``AnalyticModel``), else BF16.
 """
 
 from __future__ import annotations
@@ -157,25 +158,91 @@ class CostTable:
                 return r0 + t * (r1 - r0)
         return None
 
+    @property
+    def label(self) -> str:
+        return "cost model"
+
+    def speedup(self, shape: SiteShape, fmt: str) -> float | None:
+        """BF16 time over low-precision time, or None where the table has no rate."""
+        low = self.rate(fmt, shape) or self.rate("fp8", shape)
+        bf16 = self.rate("bf16", shape)
+        if low is None or bf16 is None:
+            return None
+        flops = shape.flops()
+        # The table's grid fills the GPU; a small site pays the same wave inefficiency on
+        # both paths, plus the low-precision path's fixed launch costs.
+        t_bf16 = flops / (bf16 * 1e12)
+        t_low = flops / (low * 1e12) + self.launch_us * 1e-6
+        return t_bf16 / t_low
+
+
+@dataclasses.dataclass(frozen=True)
+class AnalyticModel:
+    """Peak-rate model of an sm_90 GPU without a measured table, from its own properties.
+
+    Conservative by construction, so that an unmeasured GPU never gets a slowdown: BF16
+    attention is credited with 70 % of the BF16 tensor-core peak (the best measured on
+    the H200: cuDNN and FA4 at 0.66-0.70), while the low-precision path pays its 8-bit
+    matrix time, its softmax issue time and twice the byte floor of its quantization
+    pass, with no overlap between them (the Triton kernel overlaps some; on the H200
+    this model predicts 1.09x at N = 16k, D = 128, where 1.15x was measured).
+    Inference only: it has no backward model.
+    """
+
+    gpu: str
+    sms: int
+    clock_hz: float
+    bandwidth: float  # bytes/s
+
+    # Dense Hopper tensor-core FLOP per SM per clock, and lane operations per SM per clock.
+    BF16_FLOP = 4096
+    FP8_FLOP = 8192
+    ISSUE = 128
+    BF16_EFFICIENCY = 0.7
+    # Instructions per score of the direct-P softmax (SASS count, docs/perf-notes.md).
+    SOFTMAX_OPS = 12
+    QUANT_BYTES_PER_ELEMENT = 3  # 2 read, 1 written
+    QUANT_OVER_FLOOR = 2.0
+    LAUNCH_S = 15e-6
+
+    @classmethod
+    def of(cls, device: torch.device) -> "AnalyticModel | None":
+        try:
+            props = torch.cuda.get_device_properties(device)
+        except (RuntimeError, AssertionError, AttributeError, ValueError):  # no CUDA, or not a CUDA device
+            return None
+        clock_khz, mem_khz, bus_bits = (getattr(props, n, 0) for n in ("clock_rate", "memory_clock_rate",
+                                                                        "memory_bus_width"))
+        if (props.major, props.minor) != (9, 0) or not (clock_khz and mem_khz and bus_bits):
+            return None
+        return cls(props.name, props.multi_processor_count, clock_khz * 1e3, 2 * mem_khz * 1e3 * bus_bits / 8)
+
+    @property
+    def label(self) -> str:
+        return f"analytic model (no measured table for {self.gpu})"
+
+    @property
+    def source(self) -> str:
+        return (f"analytic: {self.sms} SMs at {self.clock_hz / 1e9:.2f} GHz, "
+                f"{self.bandwidth / 1e12:.2f} TB/s")
+
+    def speedup(self, shape: SiteShape, fmt: str) -> float | None:
+        if shape.training:
+            return None
+        s = shape
+        per_second = self.sms * self.clock_hz
+        scores = s.b * s.h * s.nq * s.nk * (0.5 if s.causal else 1.0)
+        elements = s.b * (s.h * s.nq + 2 * s.hkv * s.nk) * s.d
+        t_bf16 = s.flops() / (self.BF16_FLOP * per_second * self.BF16_EFFICIENCY)
+        t_low = (s.flops() / (self.FP8_FLOP * per_second) + scores * self.SOFTMAX_OPS / (self.ISSUE * per_second)
+                 + elements * self.QUANT_BYTES_PER_ELEMENT * self.QUANT_OVER_FLOOR / self.bandwidth + self.LAUNCH_S)
+        return t_bf16 / t_low
+
 
 @functools.cache
 def table_for(gpu_name: str) -> CostTable | None:
     path = _TABLES / (re.sub(r"[^a-z0-9]+", "_", gpu_name.lower()).strip("_") + ".json")
     return CostTable.from_json(path.read_text()) if path.exists() else None
-
-
-def predict_speedup(shape: SiteShape, fmt: str, table: CostTable) -> float | None:
-    """BF16 time over low-precision time, or None where the table has no rate."""
-    low = table.rate(fmt, shape) or table.rate("fp8", shape)
-    bf16 = table.rate("bf16", shape)
-    if low is None or bf16 is None:
-        return None
-    flops = shape.flops()
-    # The table's grid fills the GPU; a small site pays the same wave inefficiency on both
-    # paths, plus the low-precision path's fixed launch costs.
-    t_bf16 = flops / (bf16 * 1e12)
-    t_low = flops / (low * 1e12) + table.launch_us * 1e-6
-    return t_bf16 / t_low
 
 
 def site_shape(site: Site) -> SiteShape | None:
@@ -210,50 +277,56 @@ def decide(site: Site, options: Options, tuned: dict | None = None) -> Decision:
         return Decision(entry["path"], f"tuned on this GPU: {entry['speedup']:.2f}x, cosine {entry['cosine']:.4f}",
                         entry["speedup"])
     gpu = torch.cuda.get_device_name(device)
-    decision = cost_model_decision(shape, options.fmt, gpu)
+    model = cost_model(device)
+    decision = cost_model_decision(shape, options.fmt, model, gpu)
     length = site.key_length()
     if decision.predicted_speedup is None or not isinstance(length, torch.SymInt):
         return decision
-    threshold = crossover_length(shape, options.fmt, table_for(gpu))
+    threshold = crossover_length(shape, options.fmt, model)
     if threshold is None:
         return decision
     if not shape.training:
-        return Decision(options.fmt, f"cost model: {options.fmt} from {threshold} keys, BF16 below "
+        return Decision(options.fmt, f"{model.label}: {options.fmt} from {threshold} keys, BF16 below "
                         f"(branch at run time; {decision.predicted_speedup:.2f}x at {shape.nk} keys)",
                         decision.predicted_speedup, min_keys=threshold)
     # The run-time branch has no autograd, so training guards on the symbolic length: a
     # later size on the other side of the crossover recompiles with the other path.
     return _verdict(options.fmt, decision.predicted_speedup, bool(length >= threshold),
-                    f"; {options.fmt} from {threshold} keys (a size across the crossover recompiles)")
+                    f"; {options.fmt} from {threshold} keys (a size across the crossover recompiles)", model.label)
 
 
-def cost_model_decision(shape: SiteShape, fmt: str, gpu: str) -> Decision:
-    """The cost model's choice for one static shape on the named GPU."""
-    table = table_for(gpu)
-    if table is None:
-        return Decision("bf16", f"no measured cost table for {gpu}; run fp4_inductor.tune() or use policy='always'")
-    speedup = predict_speedup(shape, fmt, table)
+def cost_model(device: torch.device) -> "CostTable | AnalyticModel | None":
+    """The GPU's measured table, else the analytic model of its properties."""
+    return table_for(torch.cuda.get_device_name(device)) or AnalyticModel.of(device)
+
+
+def cost_model_decision(shape: SiteShape, fmt: str, model: "CostTable | AnalyticModel | None", gpu: str) -> Decision:
+    """The cost model's choice for one static shape."""
+    if model is None:
+        return Decision("bf16", f"no measured cost table for {gpu} and no properties to model it; "
+                        "run fp4_inductor.tune() or use policy='always'")
+    speedup = model.speedup(shape, fmt)
     if speedup is None:
-        return Decision("bf16", f"cost table for {gpu} has no rate for {shape.table_key()}")
-    return _verdict(fmt, speedup, speedup >= MIN_SPEEDUP)
+        return Decision("bf16", f"{model.label} has no rate for {shape.table_key()}")
+    return _verdict(fmt, speedup, speedup >= MIN_SPEEDUP, label=model.label)
 
 
-def _verdict(fmt: str, speedup: float, wins: bool, note: str = "") -> Decision:
+def _verdict(fmt: str, speedup: float, wins: bool, note: str = "", label: str = "cost model") -> Decision:
     if wins:
-        return Decision(fmt, f"cost model: {speedup:.2f}x over BF16{note}", speedup)
-    return Decision("bf16", f"cost model: {fmt} would be {speedup:.2f}x of BF16{note}", speedup)
+        return Decision(fmt, f"{label}: {speedup:.2f}x over BF16{note}", speedup)
+    return Decision("bf16", f"{label}: {fmt} would be {speedup:.2f}x of BF16{note}", speedup)
 
 
 _CROSSOVER_GRID = tuple(2**i for i in range(4, 21))
 
 
-def crossover_length(shape: SiteShape, fmt: str, table: CostTable) -> int | None:
+def crossover_length(shape: SiteShape, fmt: str, model: "CostTable | AnalyticModel") -> int | None:
     """The smallest key length (on a power-of-two grid, the query length scaled along)
     from which low precision is predicted to win at every longer length; None if never."""
     threshold = None
     for n in reversed(_CROSSOVER_GRID):
         scaled = dataclasses.replace(shape, nk=n, nq=max(1, round(shape.nq * n / shape.nk)))
-        speedup = predict_speedup(scaled, fmt, table)
+        speedup = model.speedup(scaled, fmt)
         if speedup is None or speedup < MIN_SPEEDUP:
             break
         threshold = n

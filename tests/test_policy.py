@@ -1,7 +1,9 @@
 """Decision logic: cost model over a measured table, overrides, tuned decisions, and the
 tuning cache's handling of bad files.  Synthetic tables; no GPU needed."""
 
+import dataclasses
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -71,6 +73,44 @@ def test_missing_table_or_rate_keeps_bf16(fake_gpu, monkeypatch):
     monkeypatch.setattr(policy, "table_for", lambda gpu: None)
     decision = policy.decide(_site(), Options())
     assert decision.path == "bf16" and "no measured cost table for Test GPU" in decision.reason
+
+
+# What CUDA reports for an H200 (SM clock in kHz, memory clock in kHz, bus in bits).
+H200_PROPS = dict(name="NVIDIA H200", major=9, minor=0, multi_processor_count=132, clock_rate=1_980_000,
+                  memory_clock_rate=3_201_000, memory_bus_width=6144)
+
+
+def test_analytic_model_is_conservative_against_the_h200_measurements(monkeypatch):
+    """Modelled from the H200's properties alone, the analytic model claims a win only
+    where the shipped table (measured) shows at least that speedup."""
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(**H200_PROPS))
+    model = policy.AnalyticModel.of(torch.device("cuda", 0))
+    assert model.sms == 132 and model.bandwidth == pytest.approx(4.92e12, rel=1e-3)
+    measured = policy.table_for("NVIDIA H200")
+    wins = 0
+    for d in (64, 128):
+        for causal in (False, True):
+            for n in (512, 1024, 2048, 4096, 8192, 16384, 32768):
+                h = 2048 // d
+                shape = policy.SiteShape(max(16384 // n, 1), h, h, n, n, d, causal, False)
+                predicted = model.speedup(shape, "fp8")
+                if predicted >= policy.MIN_SPEEDUP:
+                    wins += 1
+                    assert measured.speedup(shape, "fp8") >= predicted, shape
+    assert wins >= 1  # not a model that can only say no
+    assert model.speedup(dataclasses.replace(shape, training=True), "fp8") is None
+
+
+def test_unknown_gpu_falls_back_to_the_analytic_model_and_says_so(fake_gpu, monkeypatch):
+    monkeypatch.setattr(policy, "table_for", lambda gpu: None)
+    props = SimpleNamespace(**{**H200_PROPS, "name": "Test GPU"})
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    long = policy.decide(_site(b=1, h=16, hkv=16, n=32768), Options())
+    assert long.path == "fp8" and long.reason.startswith("analytic model (no measured table for Test GPU)")
+    short = policy.decide(_site(n=1024), Options())
+    assert short.path == "bf16" and "analytic model" in short.reason
+    train = policy.decide(_site(training=True), Options())
+    assert train.path == "bf16" and "no rate" in train.reason
 
 
 def test_overrides_first_match_wins_over_policy(fake_gpu):
