@@ -91,7 +91,11 @@ def lowp_attention(
         scale = 1.0 / math.sqrt(q.shape[-1])
     p_mode = p_mode or default_p_mode(fmt)
     if min_keys is not None:
-        if not isinstance(scale, (int, float)):  # the op takes a float; a symbolic one would specialise
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+            raise ValueError("min_keys (a run-time branch) is for inference: the branch has no autograd")
+        if not isinstance(scale, (int, float)):
+            # The op takes a float (a symbolic one would specialise the graph): fold the
+            # scale into Q, one rounding to Q's dtype, far below the INT8 step of Q.
             q, scale = (q.float() * scale).to(q.dtype), 1.0
         out = torch.ops.fp4attn.by_length(q, k, v, attn_mask, float(scale), is_causal, fmt, p_mode, min_keys)
     else:

@@ -191,7 +191,9 @@ def attention_by_length(
 ) -> torch.Tensor:
     """Low precision when the call has at least ``min_keys`` keys, SDPA otherwise: the
     cost model's crossover as a branch at run time, so a dynamic-length graph neither
-    specialises nor recompiles at it.  Opaque to Inductor, hence inference only."""
+    specialises nor recompiles at it.  Opaque to Inductor, hence inference only.
+    A row whose every key is masked gets what each path gives it: SDPA's result below
+    ``min_keys``, the finite average of ``formats.MASKED_LOG2`` from it on."""
     if k.shape[-2] >= min_keys:
         return quantized_forward(q, k, v, F.mask_to_log2_bias(attn_mask), scale, is_causal, fmt, p_mode)[0]
     if attn_mask is not None and is_causal:  # SDPA's GPU backends take one or the other

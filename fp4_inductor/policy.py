@@ -186,7 +186,7 @@ class AnalyticModel:
     matrix time, its softmax issue time and twice the byte floor of its quantization
     pass, with no overlap between them (the Triton kernel overlaps some; on the H200
     this model predicts 1.09x at N = 16k, D = 128, where 1.15x was measured).
-    Inference only: it has no backward model.
+    The fp8 forward only: no backward, no fp4 model.
     """
 
     gpu: str
@@ -227,7 +227,7 @@ class AnalyticModel:
                 f"{self.bandwidth / 1e12:.2f} TB/s")
 
     def speedup(self, shape: SiteShape, fmt: str) -> float | None:
-        if shape.training:
+        if shape.training or fmt != "fp8":  # modelled: the fp8 direct-P forward only
             return None
         s = shape
         per_second = self.sms * self.clock_hz
@@ -282,7 +282,8 @@ def decide(site: Site, options: Options, tuned: dict | None = None) -> Decision:
     length = site.key_length()
     if decision.predicted_speedup is None or not isinstance(length, torch.SymInt):
         return decision
-    threshold = crossover_length(shape, options.fmt, model)
+    threshold = crossover_length(shape, options.fmt, model,
+                                 queries_follow=isinstance(site.query_length(), torch.SymInt))
     if threshold is None:
         return decision
     if not shape.training:
@@ -320,12 +321,15 @@ def _verdict(fmt: str, speedup: float, wins: bool, note: str = "", label: str = 
 _CROSSOVER_GRID = tuple(2**i for i in range(4, 21))
 
 
-def crossover_length(shape: SiteShape, fmt: str, model: "CostTable | AnalyticModel") -> int | None:
-    """The smallest key length (on a power-of-two grid, the query length scaled along)
-    from which low precision is predicted to win at every longer length; None if never."""
+def crossover_length(shape: SiteShape, fmt: str, model: "CostTable | AnalyticModel",
+                     queries_follow: bool = True) -> int | None:
+    """The smallest key length (on a power-of-two grid) from which low precision is
+    predicted to win at every longer length; None if never.  ``queries_follow``: the
+    query length grows with the key length (prefill, training); else it stays (decode)."""
     threshold = None
     for n in reversed(_CROSSOVER_GRID):
-        scaled = dataclasses.replace(shape, nk=n, nq=max(1, round(shape.nq * n / shape.nk)))
+        nq = max(1, round(shape.nq * n / shape.nk)) if queries_follow else shape.nq
+        scaled = dataclasses.replace(shape, nk=n, nq=nq)
         speedup = model.speedup(scaled, fmt)
         if speedup is None or speedup < MIN_SPEEDUP:
             break

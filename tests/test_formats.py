@@ -140,11 +140,16 @@ def test_saturation_and_nan_propagation_in_casts():
     assert torch.isfinite(codes.float()).all() and codes.float().amax().item() == F.E5M2_MAX
 
 
-def test_backward_row_factor_folds_normalisation():
-    lse = torch.randn(3, 5) * 10
-    row_ref = torch.ceil(lse * F.LOG2E - 12 * torch.rand(3, 5))  # the max sits below the LSE
-    f = F.backward_row_factor(lse, row_ref, "direct")
-    assert torch.allclose(torch.log2(f), row_ref - 8 - lse * F.LOG2E, atol=1e-5)
+@pytest.mark.parametrize("p_mode", ["direct", "exp"])
+def test_backward_row_factor_folds_normalisation(p_mode):
+    """Probabilities written against the integer row reference (2**(x - R + lift), as the
+    kernels' codes represent them) times the factor are the normalised softmax."""
+    x = torch.randn(6, 3000, dtype=torch.float64) * 3  # log2 scores
+    row_ref = torch.ceil(x.amax(dim=-1))
+    lse = torch.logsumexp(x * math.log(2), dim=-1)
+    unnormalised = torch.exp2(x - row_ref[:, None] + F.p_lift(p_mode))
+    p = unnormalised * F.backward_row_factor(lse, row_ref, p_mode)[:, None]
+    assert torch.allclose(p, torch.softmax(x * math.log(2), dim=-1), rtol=1e-12, atol=0)
 
 
 @pytest.mark.parametrize("causal", [False, True])

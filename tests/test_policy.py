@@ -11,6 +11,7 @@ import torch.fx as fx
 
 import fp4_inductor
 from fp4_inductor import policy, tuning
+from fp4_inductor.attention import lowp_attention
 from fp4_inductor.config import Options
 from fp4_inductor.patterns import find_sites
 from fp4_inductor.patterns.common import Site
@@ -194,6 +195,23 @@ def test_dynamic_length_branches_at_run_time(crossover_2k):
     ran_op, graphs = _graphs_compiled(_sdpa_fn, sizes)
     assert ran_op == [n >= crossover_2k for n in sizes]
     assert graphs == 1
+
+
+def test_crossover_keeps_a_fixed_query_length():
+    """Decode (a fixed handful of queries, a growing cache) pays the launch costs over far
+    less work than prefill of the same key length: its crossover lies further out."""
+    table = policy.CostTable.from_json(json.dumps(TABLE))
+    decode = policy.SiteShape(8, 32, 32, 16, 4096, 128, False, False)
+    assert policy.crossover_length(decode, "fp8", table, queries_follow=True) == 16384
+    assert policy.crossover_length(decode, "fp8", table, queries_follow=False) == 32768
+
+
+def test_run_time_branch_is_inference_only():
+    q, k, v = (torch.randn(1, 2, 64, 64, requires_grad=True) for _ in range(3))
+    with pytest.raises(ValueError, match="inference"):
+        lowp_attention(q, k, v, min_keys=32)
+    with torch.no_grad():
+        assert lowp_attention(q, k, v, min_keys=32).shape == q.shape
 
 
 def test_dynamic_length_in_training_guards_at_the_crossover(crossover_2k):

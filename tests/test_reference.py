@@ -126,15 +126,16 @@ def test_gradients_against_fp64(causal, heads):
 def test_gradient_error_does_not_grow_with_length():
     """Long flat rows: P rebuilt against the forward's row reference stays in E4M3's normal
     range, so gradient error at 16k keys matches 1k.  (Rebuilt against ceil(lse2) the
-    probabilities of a 16k-key row sat among the subnormals: dV error 0.063 -> 0.085.)"""
+    probabilities of a 16k-key row sat among the subnormals: 1.20-1.31x the 1k error.)
+    The 1k baseline takes eight heads: one head of 1k tokens spreads by about 10 %."""
     errors = {}
-    for n in (1024, 16384):
-        q, k, v = (torch.randn(1, 1, n, 64, requires_grad=True) for _ in range(3))
-        g = torch.randn(1, 1, n, 64)
+    for heads, n in ((8, 1024), (1, 16384)):
+        q, k, v = (torch.randn(1, heads, n, 64, requires_grad=True) for _ in range(3))
+        g = torch.randn(1, heads, n, 64)
         _, got = grads(lambda q, k, v: lowp_attention(q, k, v, is_causal=True), [q, k, v], g)
         exact = [t.detach().double().requires_grad_() for t in (q, k, v)]
         _, want = grads(lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True),
                         exact, g.double())
         errors[n] = [rel_l2(a, b) for a, b in zip(got, want)]
     for name, short, long in zip("qkv", errors[1024], errors[16384]):
-        assert long <= 1.1 * short, (name, short, long)
+        assert long <= 1.15 * short, (name, short, long)

@@ -204,6 +204,12 @@ class Site:
             return self.dims[4]
         return value(self.k).shape[-2]
 
+    def query_length(self):
+        """The number of queries, as ``key_length``."""
+        if self.dims is not None:
+            return self.dims[3]
+        return value(self.q).shape[-2]
+
     def shape(self) -> tuple | None:
         """(B, H, Hkv, Nq, Nkv, D) from the example values (size hints if symbolic)."""
         if self.dims is not None:

@@ -155,7 +155,7 @@ def _tile(k, v, q, do, row_t, r, delta, k_scale, dov_scale, b_ptrs, offs_m, offs
 _NO_SPECIALIZE = ["stride_dsb", "stride_dsh", "stride_dlb", "stride_dlh", "stride_dlm",
                   "stride_qsb", "stride_qsh", "stride_qsm", "stride_ksb", "stride_ksh", "stride_ksn",
                   "stride_vsb", "stride_vsh", "stride_qesb", "stride_qesh", "stride_qesm",
-                  "stride_kesb", "stride_kesh", "stride_kesn", "stride_lb", "stride_lh", "stride_lm",
+                  "stride_kesb", "stride_kesh", "stride_kesn", "stride_rb", "stride_rh", "stride_rm",
                   "stride_bb", "stride_bh", "stride_bm", "stride_bn", "H", "HKV", "GROUP", "NQ", "NK"]
 
 
