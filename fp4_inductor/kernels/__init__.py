@@ -61,8 +61,9 @@ def forward_kernel(q: torch.Tensor, p_mode: str):
 def backward_kernel(q: torch.Tensor, p_mode: str):
     """The Triton sm_90 backward launcher, under the forward's conditions, else None.
 
-    Opt-in (``FP4ATTN_BWD_KERNEL=1``): its GPU tests pass against the reference on the
-    H200, but it has not been timed against the reference emulation it would replace, and
+    Opt-in (``FP4ATTN_BWD_KERNEL=1``): its GPU tests passed against the reference on the
+    H200 (before P was rebuilt against the saved row reference, a change not yet run
+    there), but it has not been timed against the reference emulation it would replace, and
     at 25-180 TFLOP/s (causal fwd+bwd) it is 3-9x slower than BF16 SDPA
     (benchmarks/results/training_h200.json).
     """
