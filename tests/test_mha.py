@@ -87,3 +87,17 @@ def test_unsupported_multihead_attention_stays_exact(make, reason):
     x = torch.randn(B, N, E)
     report = fp4_inductor.explain(lambda x: make(module, x), x, policy="always")
     assert report.sites[0].path == "bf16" and reason in report.sites[0].reason
+
+
+def test_multihead_attention_under_no_grad_is_inference():
+    """The module's weights require grad, but under no_grad nothing trains: the site is
+    an inference site (the policy has rates for those)."""
+    module = SelfAttention().eval()
+    x = torch.randn(B, N, E)
+    with torch.no_grad():
+        report = fp4_inductor.explain(module, x)
+    (site,) = report.sites
+    assert site.kind == "mha" and not site.training
+    (site,) = fp4_inductor.explain(module, x).sites
+    assert site.training
+

@@ -195,8 +195,12 @@ class Site:
     weights: tuple = ()  # parameters the site multiplies by, for "does it train?"
 
     def training(self) -> bool:
-        return any(isinstance(t, torch.Tensor) and t.requires_grad
-                   for t in (value(n) for n in (self.q, self.k, self.v, *self.weights)))
+        """Whether the site's graph will be differentiated.  Dynamo hands a graph to the
+        backend under the grad mode it was traced in: under ``no_grad`` a module's weights
+        still require grad, but nothing is trained."""
+        return torch.is_grad_enabled() and any(
+            isinstance(t, torch.Tensor) and t.requires_grad
+            for t in (value(n) for n in (self.q, self.k, self.v, *self.weights)))
 
     def key_length(self):
         """The number of keys as the graph has it: an int, or a SymInt under dynamic shapes."""
