@@ -7,7 +7,10 @@ run (triton do_bench medians):
   - ours: ``lowp_attention`` with the Triton backward kernel (FP4ATTN_BWD_KERNEL=1), the
     quantization of Q/K/V and dO included, as a training step runs it;
   - torch SDPA BF16 on the cuDNN and flash backends, FlashAttention-4 BF16 (flash_attn.cute);
-  - cuDNN FP8 backward: not wired into this benchmark yet (recorded as such).
+  - cuDNN FP8 (cudnn frontend sdpa_fp8 with stats + sdpa_fp8_backward): E4M3 Q/K/V/O/dO
+    cast plainly, E4M3 gradients, and the usual delayed scaling (a first step with unit
+    scales measures the amaxes of S, O, dP and the gradients; the timed steps use scales
+    from them).  cuDNN has no FP8 backward at D = 64 on sm_90: that row records the error.
 FLOPs: 2.5x the forward's for the backward, 3.5x for both (FA3's convention).
 Accuracy: rel-L2 of dQ, dK, dV against float32 autograd on the same inputs (the worst
 of the three is the row's).  Writes benchmarks/results/training_h200.json and .png.
@@ -26,10 +29,31 @@ import torch  # noqa: E402
 import bench_attention as BA  # noqa: E402
 import common as C  # noqa: E402
 
+from fp4_inductor import formats as F  # noqa: E402
 from fp4_inductor.attention import lowp_attention  # noqa: E402
 
-NOT_WIRED = "not wired"
 PASSES = {"fwd+bwd": 3.5, "bwd": 2.5}
+
+
+def _autograd(attend):
+    """A method given as a differentiable ``attend(q, k, v)``: returns its setup."""
+
+    def setup(leaves, dout):
+        for t in leaves:
+            t.grad = None
+        out = attend(*leaves)
+        out.backward(dout, retain_graph=True)
+        grads = [t.grad.float() for t in leaves]
+
+        def fwd_bwd():
+            attend(*leaves).backward(dout)
+
+        def bwd():
+            out.backward(dout, retain_graph=True)
+
+        return fwd_bwd, bwd, grads
+
+    return setup
 
 
 def _sdpa(backend_name):
@@ -41,7 +65,7 @@ def _sdpa(backend_name):
         with sdpa_kernel(backend):
             return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
 
-    return attend
+    return _autograd(attend)
 
 
 def _fa4():
@@ -54,16 +78,105 @@ def _fa4():
         o = flash_attn_func(*(t.transpose(1, 2) for t in (q, k, v)), causal=True)
         return (o[0] if isinstance(o, tuple) else o).transpose(1, 2)
 
-    return attend
+    return _autograd(attend)
+
+
+E4M3_MAX = 448.0
+_FWD_SCALARS = ("descale_q", "descale_k", "descale_v", "descale_s", "scale_s", "scale_o")
+_BWD_SCALARS = ("descale_q", "descale_k", "descale_v", "descale_o", "descale_dO", "descale_s", "descale_dP",
+                "scale_s", "scale_dQ", "scale_dK", "scale_dV", "scale_dP")
+# amax outputs, and the scale (and descale) each one sets for the timed steps.
+_AMAX_SETS = {"s": ("scale_s", "descale_s"), "o": ("scale_o", "descale_o"), "dP": ("scale_dP", "descale_dP"),
+              "dQ": ("scale_dQ", None), "dK": ("scale_dK", None), "dV": ("scale_dV", None)}
+
+
+def _cudnn_fp8():
+    try:
+        import cudnn
+    except ImportError:
+        return BA.NOT_INSTALLED
+    e4m3, f32 = cudnn.data_type.FP8_E4M3, cudnn.data_type.FLOAT
+
+    def new_graph():
+        return cudnn.pygraph(io_data_type=e4m3, intermediate_data_type=f32, compute_data_type=f32)
+
+    def declare(graph, name, t, dtype):
+        return graph.tensor(name=name, dim=list(t.shape), stride=list(t.stride()), data_type=dtype)
+
+    def output(node, t, dtype):
+        node.set_output(True).set_dim(list(t.shape)).set_stride(list(t.stride())).set_data_type(dtype)
+
+    def build(graph):
+        graph.validate()
+        graph.build_operation_graph()
+        graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+        graph.check_support()
+        graph.build_plans()
+
+    def setup(leaves, dout):
+        b, h, n, d = leaves[0].shape
+        dev = dout.device
+        data = {name: t.detach().to(F.E4M3) for name, t in zip(("q", "k", "v", "dO"), (*leaves, dout))}
+        data["o"] = torch.empty_like(data["q"])
+        stats = torch.empty(b, h, n, 1, device=dev)
+        grads8 = {name: torch.empty_like(data["q"]) for name in ("dQ", "dK", "dV")}
+        scalars = {name: torch.ones(1, 1, 1, 1, device=dev) for name in {*_FWD_SCALARS, *_BWD_SCALARS}}
+        amax = {name: torch.zeros(1, 1, 1, 1, device=dev) for name in _AMAX_SETS}
+
+        fwd = new_graph()
+        t = {name: declare(fwd, name, data[name], e4m3) for name in ("q", "k", "v")}
+        fs = {name: declare(fwd, name, scalars[name], f32) for name in _FWD_SCALARS}
+        o, st, amax_s, amax_o = fwd.sdpa_fp8(**t, **fs, is_inference=False, attn_scale=d**-0.5,
+                                             use_causal_mask=True)
+        output(o, data["o"], e4m3)
+        output(st, stats, f32)
+        output(amax_s, amax["s"], f32)
+        output(amax_o, amax["o"], f32)
+        build(fwd)
+        fwd_pack = {**{t[k]: data[k] for k in t}, **{fs[k]: scalars[k] for k in fs}, o: data["o"], st: stats,
+                    amax_s: amax["s"], amax_o: amax["o"]}
+
+        bwd = new_graph()
+        t = {name: declare(bwd, name, data[name], e4m3) for name in ("q", "k", "v", "o", "dO")}
+        bs = {name: declare(bwd, name, scalars[name], f32) for name in _BWD_SCALARS}
+        t_stats = declare(bwd, "stats", stats, f32)
+        outs = bwd.sdpa_fp8_backward(**t, stats=t_stats, **bs, attn_scale=d**-0.5, use_causal_mask=True)
+        dq, dk, dv, *amaxes = outs[:7]  # gradients, then the amaxes of dQ, dK, dV and dP
+        for node, name in zip((dq, dk, dv), grads8):
+            output(node, grads8[name], e4m3)
+        for node, name in zip(amaxes, ("dQ", "dK", "dV", "dP")):
+            output(node, amax[name], f32)
+        build(bwd)
+        bwd_pack = {**{t[k]: data[k] for k in t}, **{bs[k]: scalars[k] for k in bs}, t_stats: stats,
+                    dq: grads8["dQ"], dk: grads8["dK"], dv: grads8["dV"],
+                    **{node: amax[name] for node, name in zip(amaxes, ("dQ", "dK", "dV", "dP"))}}
+        workspace = torch.empty(max(fwd.get_workspace_size(), bwd.get_workspace_size()), dtype=torch.uint8,
+                                device=dev)
+
+        def fwd_bwd():
+            fwd.execute(fwd_pack, workspace)
+            bwd.execute(bwd_pack, workspace)
+
+        fwd_bwd()  # unit scales: measures the amaxes
+        torch.cuda.synchronize()
+        for name, (scale, descale) in _AMAX_SETS.items():
+            scalars[scale].copy_(E4M3_MAX / amax[name].clamp_min(1e-30))
+            if descale:
+                scalars[descale].copy_(1.0 / scalars[scale])
+        fwd_bwd()
+        grads = [grads8[name].float() / scalars[f"scale_{name}"] for name in ("dQ", "dK", "dV")]
+        return fwd_bwd, lambda: bwd.execute(bwd_pack, workspace), grads
+
+    return setup
 
 
 def methods():
     return {
-        "ours-direct": lambda q, k, v: lowp_attention(q, k, v, is_causal=True),
+        "ours-direct": _autograd(lambda q, k, v: lowp_attention(q, k, v, is_causal=True)),
         "sdpa-cudnn-bf16": _sdpa("CUDNN_ATTENTION"),
         "sdpa-flash-bf16": _sdpa("FLASH_ATTENTION"),
         "fa4-bf16": _fa4(),
-        "cudnn-fp8": NOT_WIRED,
+        "cudnn-fp8": _cudnn_fp8(),
     }
 
 
@@ -103,14 +216,14 @@ def _measure_shape(d, n, table, doc, bar, triton):
     torch.nn.functional.scaled_dot_product_attention(*ref_in, is_causal=True).backward(dout.float())
     ref = [t.grad for t in ref_in]
     fwd_flops = C.attention_flops(b, h, n, n, d, True)
-    for name, attend in table.items():
+    for name, setup in table.items():
         rows = [dict(method=name, d=d, n=n, b=b, h=h, causal=True, **{"pass": p}) for p in PASSES]
         try:
-            if attend in (BA.NOT_INSTALLED, NOT_WIRED):
+            if setup == BA.NOT_INSTALLED:
                 for row in rows:
-                    row["status"] = attend
+                    row["status"] = setup
             else:
-                _time_method(attend, leaves, dout, ref, fwd_flops, rows, triton)
+                _time_method(setup, leaves, dout, ref, fwd_flops, rows, triton)
         except Exception as err:  # recorded in the table; the run goes on
             for row in rows:
                 row["status"] = f"error: {type(err).__name__}: {str(err)[:300]}"
@@ -120,19 +233,9 @@ def _measure_shape(d, n, table, doc, bar, triton):
     torch.cuda.empty_cache()
 
 
-def _time_method(attend, leaves, dout, ref, fwd_flops, rows, triton):
-    for t in leaves:
-        t.grad = None
-    out = attend(*leaves)
-    out.backward(dout, retain_graph=True)
-    rel = max(_rel_l2(t.grad, r) for t, r in zip(leaves, ref))
-
-    def fwd_bwd():
-        attend(*leaves).backward(dout)
-
-    def bwd():
-        out.backward(dout, retain_graph=True)
-
+def _time_method(setup, leaves, dout, ref, fwd_flops, rows, triton):
+    fwd_bwd, bwd, grads = setup(leaves, dout)
+    rel = max(_rel_l2(g, r) for g, r in zip(grads, ref))
     for row, fn in zip(rows, (fwd_bwd, bwd)):
         ms = triton.testing.do_bench(fn, warmup=10, rep=40, grad_to_none=leaves, return_mode="median")
         row.update(status="ok", ms=ms, tflops=fwd_flops * PASSES[row["pass"]] / ms * 1e-9, grad_rel_l2=rel)
