@@ -197,6 +197,25 @@ def test_dynamic_length_branches_at_run_time(crossover_2k):
     assert graphs == 1
 
 
+def test_multihead_attention_branches_at_run_time(crossover_2k):
+    """nn.MultiheadAttention under no_grad (its weights require grad: still inference)
+    with a dynamic length: one graph, the path chosen per call."""
+    torch._dynamo.reset()
+    mha = torch.nn.MultiheadAttention(256, 2, batch_first=True).eval()
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return fp4_inductor.backend()(gm, example_inputs)
+
+    compiled = torch.compile(lambda x: mha(x, x, x, need_weights=False)[0], backend=counting, dynamic=True)
+    sizes = (4096, 512, crossover_2k, crossover_2k - 16)
+    with torch.no_grad():
+        ran_op = [op_calls(compiled, torch.randn(1, n, 256))[1]["fwd"] == 1 for n in sizes]
+    assert ran_op == [n >= crossover_2k for n in sizes]
+    assert sum(any(node.op == "call_function" for node in gm.graph.nodes) for gm in graphs) == 1
+
+
 def test_crossover_keeps_a_fixed_query_length():
     """Decode (a fixed handful of queries, a growing cache) pays the launch costs over far
     less work than prefill of the same key length: its crossover lies further out."""
