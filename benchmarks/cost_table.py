@@ -13,12 +13,12 @@ assumes a slower fallback than the user would get.  Training (causal fwd+bwd, fr
 from __future__ import annotations
 
 import json
-import re
 import sys
 from collections import defaultdict
 from pathlib import Path
 
-TABLES = Path(__file__).resolve().parent.parent / "fp4_inductor" / "tables"
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from fp4_inductor import policy  # noqa: E402
 PATHS = {"fp8": ["ours-direct+quant"], "fp4": ["ours-fp4+quant"], "bf16": ["sdpa-cudnn-bf16", "sdpa-flash-bf16"]}
 TRAINING_PATHS = {"fp8": ["ours-direct"], "bf16": ["sdpa-cudnn-bf16", "sdpa-flash-bf16"]}
 # Fixed cost of the low-precision path's extra kernels (quantization of Q, K, V and K's
@@ -53,7 +53,7 @@ def main(forward: str, training: str | None = None) -> None:
         "launch_us": LAUNCH_US,
         "tflops": rates,
     }
-    out = TABLES / (re.sub(r"[^a-z0-9]+", "_", gpu.lower()).strip("_") + ".json")
+    out = policy.table_path(gpu)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
     print(out)

@@ -239,9 +239,18 @@ class AnalyticModel:
         return t_bf16 / t_low
 
 
+def gpu_slug(gpu_name: str) -> str:
+    """A GPU model's name as a file-name part: ``NVIDIA H200`` -> ``nvidia_h200``."""
+    return re.sub(r"[^a-z0-9]+", "_", gpu_name.lower()).strip("_")
+
+
+def table_path(gpu_name: str) -> Path:
+    return _TABLES / f"{gpu_slug(gpu_name)}.json"
+
+
 @functools.cache
 def table_for(gpu_name: str) -> CostTable | None:
-    path = _TABLES / (re.sub(r"[^a-z0-9]+", "_", gpu_name.lower()).strip("_") + ".json")
+    path = table_path(gpu_name)
     return CostTable.from_json(path.read_text()) if path.exists() else None
 
 

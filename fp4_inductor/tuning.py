@@ -13,7 +13,6 @@ import dataclasses
 import json
 import math
 import os
-import re
 import tempfile
 import warnings
 from pathlib import Path
@@ -23,7 +22,7 @@ import torch
 from . import __version__, config
 from .attention import lowp_attention
 from .patterns import find_sites, replace_site
-from .policy import MIN_MEASURED_SPEEDUP, decide, site_key, site_shape
+from .policy import MIN_MEASURED_SPEEDUP, decide, gpu_slug, site_key, site_shape
 
 SCHEMA = 1
 PATHS = ("fp8", "fp4", "bf16")
@@ -48,7 +47,7 @@ def environment(gpu: str) -> dict:
 
 
 def cache_file(gpu: str) -> Path:
-    return cache_dir() / f"decisions-{re.sub(r'[^a-z0-9]+', '_', gpu.lower()).strip('_')}.json"
+    return cache_dir() / f"decisions-{gpu_slug(gpu)}.json"
 
 
 def _valid_entry(entry) -> bool:
