@@ -16,6 +16,7 @@ import torch
 from . import formats as F
 from . import ops
 
+
 def combine_masks(attn_mask, bias_terms, keep_masks, drop_masks):
     """One additive mask (-inf where masked) from a site's masks: an SDPA-style
     ``attn_mask`` (boolean True keeps), ``(mask, factor)`` additive terms, and boolean

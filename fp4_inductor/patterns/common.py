@@ -202,31 +202,29 @@ class Site:
             isinstance(t, torch.Tensor) and t.requires_grad
             for t in (value(n) for n in (self.q, self.k, self.v, *self.weights)))
 
-    def key_length(self):
-        """The number of keys as the graph has it: an int, or a SymInt under dynamic shapes."""
+    def graph_dims(self) -> tuple | None:
+        """(B, H, Hkv, Nq, Nkv, D) as the graph has them: ints, or SymInts under dynamic shapes."""
         if self.dims is not None:
-            return self.dims[4]
-        return value(self.k).shape[-2]
-
-    def query_length(self):
-        """The number of queries, as ``key_length``."""
-        if self.dims is not None:
-            return self.dims[3]
-        return value(self.q).shape[-2]
-
-    def shape(self) -> tuple | None:
-        """(B, H, Hkv, Nq, Nkv, D) from the example values (size hints if symbolic)."""
-        if self.dims is not None:
-            return tuple(_hint(d) for d in self.dims)
+            return self.dims
         qv, kv = value(self.q), value(self.k)
         if not isinstance(qv, torch.Tensor) or not isinstance(kv, torch.Tensor):
             return None
-        qs, ks = [_hint(d) for d in qv.shape], [_hint(d) for d in kv.shape]
-        if len(qs) == 3:
-            return (qs[0], 1, 1, qs[1], ks[1], qs[2])
-        if len(qs) == 4:
-            return (qs[0], qs[1], ks[1], qs[2], ks[2], qs[3])
+        if qv.dim() == 3:
+            return (qv.shape[0], 1, 1, qv.shape[1], kv.shape[1], qv.shape[2])
+        if qv.dim() == 4:
+            return (qv.shape[0], qv.shape[1], kv.shape[1], qv.shape[2], kv.shape[2], qv.shape[3])
         return None
+
+    def key_length(self):
+        return self.graph_dims()[4]
+
+    def query_length(self):
+        return self.graph_dims()[3]
+
+    def shape(self) -> tuple | None:
+        """``graph_dims`` as ints (size hints where symbolic)."""
+        dims = self.graph_dims()
+        return None if dims is None else tuple(_hint(d) for d in dims)
 
 
 def _hint(d) -> int:
