@@ -48,14 +48,21 @@ class _LowPrecisionAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q8, k8, v8t, q_scale, k_scale, v_scale, bias, out, lse, row_ref = ctx.saved_tensors
-        do8, do_scale = F.quantize_do(dout, lse, row_ref, ctx.p_mode)
-        delta = (do8.float() * do_scale[..., None, None] * out.float()).sum(dim=-1)
-        qe, qe_scale, ke, ke_scale = F.backward_operands(q8, q_scale, k8, k_scale)
+        do8, do_scale, delta, qe, qe_scale, ke, ke_scale = backward_inputs(
+            dout, out, lse, row_ref, q8, q_scale, k8, k_scale, ctx.p_mode)
         dq, dk, dv = torch.ops.fp4attn.bwd(
             do8, do_scale, delta, q8, k8, v8t, q_scale, k_scale, v_scale, qe, qe_scale, ke, ke_scale,
             bias, row_ref, ctx.causal, ctx.p_mode, dout.dtype,
         )
         return dq * ctx.sm_scale, dk, dv, None, None, None, None, None
+
+
+def backward_inputs(dout, out, lse, row_ref, q8, q_scale, k8, k_scale, p_mode):
+    """What ``fp4attn::bwd`` takes besides the forward's operands: E5M2 dO and its scale,
+    delta = rowsum(dO * O) from the quantized dO, and the E4M3 views of Q and K."""
+    do8, do_scale = F.quantize_do(dout, lse, row_ref, p_mode)
+    delta = (do8.float() * do_scale[..., None, None] * out.float()).sum(dim=-1)
+    return (do8, do_scale, delta, *F.backward_operands(q8, q_scale, k8, k_scale))
 
 
 def default_p_mode(fmt: str) -> str:

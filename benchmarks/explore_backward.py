@@ -1,0 +1,103 @@
+"""Where the backward's time goes, and backward-kernel variants, in one run.
+
+    python benchmarks/explore_backward.py [--ns 4096] [--ds 128 64]
+
+1. a profiler table of one eager causal forward + backward of ``lowp_attention`` on the
+   FA3 grid (B * N = 16384, H * D = 2048): device time per kernel, so the backward's
+   preparation (dO quantization, delta, E4M3 views of Q and K, token-major copies) is
+   seen next to the two backward kernels;
+2. the preparation alone and the backward kernels alone, per (num_warps, num_stages)
+   configuration, as do_bench medians.
+Writes explore_backward.json into --out-dir (default benchmarks/results).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+os.environ.setdefault("FP4ATTN_BWD_KERNEL", "1")
+
+import torch  # noqa: E402
+from triton.testing import do_bench  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common as C  # noqa: E402
+
+from fp4_inductor import ops  # noqa: E402
+from fp4_inductor.attention import backward_inputs, lowp_attention  # noqa: E402
+from fp4_inductor.kernels.triton import attention_bwd as AB  # noqa: E402
+
+CONFIGS = [{"dkdv": (8, 1), "dq": (8, 1)}, {"dkdv": (16, 1), "dq": (16, 1)}, {"dkdv": (16, 2), "dq": (16, 2)},
+           {"dkdv": (8, 2), "dq": (8, 2)}]
+
+
+def profile_step(b, h, n, d):
+    q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    dout = torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16)
+    step = lambda: lowp_attention(q, k, v, is_causal=True).backward(dout)  # noqa: E731
+    step()
+    torch.cuda.synchronize()
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        step()
+        torch.cuda.synchronize()
+    kernels = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            kernels[e.name] = kernels.get(e.name, 0.0) + e.device_time
+    rows = sorted(kernels.items(), key=lambda kv: -kv[1])
+    return [{"kernel": name[:90], "us": round(us, 1)} for name, us in rows]
+
+
+def bwd_operands(b, h, n, d):
+    (q, k, v), _ = C.quantized_inputs(b, h, h, n, n, d, "direct")
+    out, lse, row_ref, operands = ops.quantized_forward(q, k, v, None, d ** -0.5, True, "fp8", "direct")
+    dout = torch.randn_like(q)
+    q8, k8, v_t, q_scale, k_scale, v_scale = operands
+    prep = lambda: backward_inputs(dout, out, lse, row_ref, q8, q_scale, k8, k_scale, "direct")  # noqa: E731
+    do8, do_scale, delta, qe, qe_scale, ke, ke_scale = prep()
+    grads = [torch.empty(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    args = (do8, do_scale, delta, q8, k8, v_t, q_scale, k_scale, v_scale, qe, qe_scale, ke, ke_scale, None,
+            row_ref, True, "direct", *grads)
+    return prep, args
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ns", type=int, nargs="+", default=[4096])
+    ap.add_argument("--ds", type=int, nargs="+", default=[128, 64])
+    ap.add_argument("--out-dir", default=os.path.join(C.ROOT, "benchmarks", "results"))
+    args = ap.parse_args()
+    result = {"env": C.environment(), "profile": {}, "timings": []}
+    for d in args.ds:
+        for n in args.ns:
+            b, h = C.fa3_shape(n, d)
+            flops = 2.5 * C.attention_flops(b, h, n, n, d, True)
+            result["profile"][f"d{d}_n{n}"] = table = profile_step(b, h, n, d)
+            print(f"\nD={d} N={n} B={b} H={h}: device time per kernel (us), one forward + backward")
+            for row in table[:14]:
+                print(f"  {row['us']:9.1f}  {row['kernel']}")
+            prep, bargs = bwd_operands(b, h, n, d)
+            prep_ms = do_bench(prep, return_mode="median")
+            result["timings"].append({"d": d, "n": n, "what": "prep", "ms": prep_ms})
+            print(f"  prep alone: {prep_ms:.3f} ms")
+            for cfg in CONFIGS:
+                try:
+                    ms = do_bench(lambda: AB.attention_backward(*bargs, config=cfg), return_mode="median")
+                except Exception as err:  # a config that does not compile or fit: record why
+                    result["timings"].append({"d": d, "n": n, "config": cfg, "error": repr(err)[:200]})
+                    print(f"  kernels {cfg}: {err!r:.120}")
+                    continue
+                result["timings"].append({"d": d, "n": n, "config": cfg, "ms": ms, "tflops": flops / ms * 1e-9})
+                print(f"  kernels {cfg}: {ms:.3f} ms, {flops / ms * 1e-9:.0f} TFLOP/s (2.5x forward FLOPs)",
+                      flush=True)
+    os.makedirs(args.out_dir, exist_ok=True)
+    with open(os.path.join(args.out_dir, "explore_backward.json"), "w") as f:
+        json.dump(result, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()
