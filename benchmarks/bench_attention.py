@@ -7,8 +7,10 @@
 FlashAttention-3's grid: B * N = 16384 tokens, H * D = 2048, D in {64, 128},
 N in {512 .. 32k}, causal off and on.  Rows, all timed in the same run with
 triton.testing.do_bench medians:
-  - ours, P mode direct / exp / fp4: the kernel alone on quantized operands, and
-    "+quant": the fp4attn::quantize op (what the backend runs) plus the kernel;
+  - ours, P mode direct / exp / fp4: the kernel that fp4attn::fwd runs (the Gluon kernel
+    in its scope, else the Triton one) alone on quantized operands, and "+quant": the
+    fp4attn::quantize op (what the backend runs) plus the kernel; "ours-direct-triton":
+    the Triton kernel on the same operands;
   - torch SDPA BF16 on the cuDNN and flash backends, FlashAttention-4 (flash_attn.cute)
     BF16, cuDNN FP8 (cudnn frontend sdpa_fp8, plain cast, FP8 out); a peer whose package
     is missing is recorded as "not installed".
@@ -35,6 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common as C  # noqa: E402
 
 from fp4_inductor import formats as F  # noqa: E402
+from fp4_inductor import kernels  # noqa: E402
 from fp4_inductor import ops as _ops  # noqa: E402,F401  (registers torch.ops.fp4attn)
 from fp4_inductor.kernels.triton import attention_fwd as A  # noqa: E402
 
@@ -45,7 +48,7 @@ NOT_INSTALLED = "not installed"
 # ------------------------------------------------------------------ ours
 
 
-def ours(mode, with_quant):
+def ours(mode, with_quant, triton_only=False):
     def setup(q, k, v, causal):
         b, h, n, d = q.shape
         sm_scale = 1.0 / math.sqrt(d)
@@ -53,10 +56,10 @@ def ours(mode, with_quant):
         quant = functools.partial(torch.ops.fp4attn.quantize, fmt=fmt)
         ops = quant(q, k, v, sm_scale)
         outputs = C.empty_outputs(b, h, n, d, dtype=q.dtype)
-        config = A.tuned_config(d, causal, n)
+        launch = A.attention_forward if triton_only else kernels.forward_kernel(q, mode)
 
         def run_kernel(t):
-            A.attention_forward(*t, None, causal, mode, *outputs, config=config)
+            launch(*t, None, causal, mode, *outputs)
             return outputs[0]
 
         if with_quant:
@@ -148,6 +151,7 @@ def methods():
     for mode in MODES:
         rows[f"ours-{mode}"] = ours(mode, with_quant=False)
         rows[f"ours-{mode}+quant"] = ours(mode, with_quant=True)
+    rows["ours-direct-triton"] = ours("direct", with_quant=False, triton_only=True)
     rows["sdpa-cudnn-bf16"] = sdpa("CUDNN_ATTENTION")
     rows["sdpa-flash-bf16"] = sdpa("FLASH_ATTENTION")
     rows["fa4-bf16"] = fa4

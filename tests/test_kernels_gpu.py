@@ -40,28 +40,32 @@ TOL = {  # (rel-L2, max |err| / max |ref|, max |LSE err|)
 EXP_TOL = dict(rel_l2=2e-3, elem=3e-3, elem_frac=1e-3, lse=1e-5, lse_frac=1e-2, lse_max=0.1)
 
 
-def _launcher():
-    from fp4_inductor.kernels.triton import attention_fwd
-
+def _launcher(kernel="triton"):
+    """The Triton kernel (every case) or the warp-specialised Gluon one (its scope:
+    kernels/gluon/attention_fwd.py)."""
+    if kernel == "gluon":
+        from fp4_inductor.kernels.gluon import attention_fwd
+    else:
+        from fp4_inductor.kernels.triton import attention_fwd
     return attention_fwd.attention_forward
 
 
 _inputs = quantized_operands
 
 
-def _run_kernel(ops, bias, causal, p_mode, out_dtype=torch.float32, **kw):
+def _run_kernel(ops, bias, causal, p_mode, out_dtype=torch.float32, kernel="triton", **kw):
     q8 = ops[0]
     b, h, nq, d = q8.shape
     # Allocated as the op does: [B, H, Nq, D] stored [B, Nq, H, D]; poisoned.
     out = torch.full((b, nq, h, d), float("nan"), dtype=out_dtype, device="cuda").transpose(1, 2)
     lse, row_ref = (torch.full((b, h, nq), float("nan"), device="cuda") for _ in range(2))
     dev = [t.cuda() for t in ops]
-    _launcher()(*dev, None if bias is None else bias.cuda(), causal, p_mode, out, lse, row_ref, **kw)
+    _launcher(kernel)(*dev, None if bias is None else bias.cuda(), causal, p_mode, out, lse, row_ref, **kw)
     torch.cuda.synchronize()
     return out.cpu(), lse.cpu(), row_ref.cpu()
 
 
-def _check(got, ref, p_mode):
+def _check(got, ref, p_mode, lse_tol=None):
     """``got``/``ref``: (O, LSE, row reference) of the kernel and of the reference."""
     (out, lse, row_ref), (ref_o, ref_l, ref_r) = got, ref
     assert not out.isnan().any() and not lse.isnan().any(), "unwritten or NaN output"
@@ -80,7 +84,8 @@ def _check(got, ref, p_mode):
         assert lfrac <= t["lse_frac"], f"{lfrac:.2%} of rows with LSE error > {t['lse']}"
         assert lse_err.max().item() <= t["lse_max"], f"LSE error {lse_err.max().item():.3e}"
         return
-    l2_tol, max_tol, lse_tol = TOL[p_mode]
+    l2_tol, max_tol, code_lse_tol = TOL[p_mode]
+    lse_tol = lse_tol or code_lse_tol
     worst = diff.max().item() / scale
     assert rel <= l2_tol, f"rel-L2 {rel:.3e} > {l2_tol}"
     assert worst <= max_tol, f"max error {worst:.3e} of max |ref| > {max_tol}"
@@ -109,6 +114,53 @@ def test_matches_reference(shape, p_mode, d, causal):
     ops, bias = _inputs(b, h, hkv, nq, nk, d, p_mode, bias_kind)
     ref = R.attention_forward(*ops, bias, causal, p_mode, torch.float32)
     _check(_run_kernel(ops, bias, causal, p_mode), ref, p_mode)
+
+
+# The Gluon kernel's scope: P mode direct, no bias, Nk a multiple of 16.  Odd query
+# lengths; key lengths from one 16-key chunk to tails of every size class.
+GLUON_SHAPES = [  # (B, H, Hkv, Nq, Nk)
+    (2, 4, 4, 1, 16),
+    (1, 8, 2, 113, 4224),
+    (1, 4, 1, 203, 800),
+    (2, 4, 4, 799, 208),
+    (1, 4, 2, 1023, 1024),
+    (1, 2, 1, 4224, 112),
+]
+# Its row sums come from the tensor cores (fp8 accumulation): LSE within ~2e-4 measured.
+GLUON_LSE_TOL = 1e-3
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("shape", GLUON_SHAPES, ids=lambda s: f"b{s[0]}h{s[1]}kv{s[2]}q{s[3]}k{s[4]}")
+def test_gluon_matches_reference(shape, d, causal):
+    from fp4_inductor.kernels.gluon import attention_fwd as G
+
+    b, h, hkv, nq, nk = shape
+    ops, _ = _inputs(b, h, hkv, nq, nk, d, "direct")
+    got = _run_kernel(ops, None, causal, "direct", kernel="gluon")
+    ref = R.attention_forward(*ops, None, causal, "direct", torch.float32)
+    _check(got, ref, "direct", lse_tol=GLUON_LSE_TOL)
+    rows = torch.empty(b, h, nq)
+    assert G.supports(*ops[:4], None, "direct", rows, rows)  # the case the dispatch sends here
+
+
+def test_dispatch_picks_gluon_where_it_applies():
+    """kernels.forward_kernel runs the Gluon kernel in its scope and Triton outside it:
+    LSE errors tell them apart (row sums of codes exact in Triton, ~1e-4 in Gluon)."""
+    from fp4_inductor import kernels
+
+    for nk, bias_kind, gluon in ((1024, None, True), (1000, None, False), (1024, "keypad", False)):
+        ops, bias = _inputs(1, 4, 2, 512, nk, 128, "direct", bias_kind)
+        dev = [t.cuda() for t in ops]
+        out = torch.full((1, 512, 4, 128), float("nan"), device="cuda").transpose(1, 2)
+        lse, row_ref = (torch.full((1, 4, 512), float("nan"), device="cuda") for _ in range(2))
+        kernels.forward_kernel(dev[0], "direct")(*dev, None if bias is None else bias.cuda(), False, "direct",
+                                                 out, lse, row_ref)
+        ref_o, ref_l, _ = R.attention_forward(*ops, bias, False, "direct", torch.float32)
+        lse_err = (lse.cpu() - ref_l).abs().max().item()
+        assert (lse_err > TOL["direct"][2]) == gluon, (nk, bias_kind, lse_err)
+        assert lse_err <= GLUON_LSE_TOL
 
 
 @pytest.mark.parametrize("p_mode", F.P_MODES)
@@ -149,17 +201,18 @@ def test_tile_configs_agree(config):
     _check(_run_kernel(ops, bias, True, "direct", config=config), ref, "direct")
 
 
+@pytest.mark.parametrize("kernel", ["triton", "gluon"])
 @pytest.mark.parametrize("where", ["q", "k", "v"])
-def test_nan_propagates_like_reference(where):
+def test_nan_propagates_like_reference(where, kernel):
     """NaN in an input reaches the same outputs as in the reference (via the scales)."""
-    b, h, hkv, n, d = 1, 4, 2, 300, 64
+    b, h, hkv, n, d = 1, 4, 2, 304, 64
     q, k, v = torch.randn(b, h, n, d), torch.randn(b, hkv, n, d), torch.randn(b, hkv, n, d)
     {"q": q, "k": k, "v": v}[where][0, 0, 137, 5] = float("nan")
     ops = F.quantize_inputs(q, k, v, d ** -0.5, "fp8")
     ref_o, ref_l, ref_r = R.attention_forward(*ops, None, False, "direct", torch.float32)
     out = torch.full((b, n, h, d), 0.5, device="cuda").transpose(1, 2)  # poison that is not NaN
     lse, row_ref = (torch.full((b, h, n), 0.5, device="cuda") for _ in range(2))
-    _launcher()(*[t.cuda() for t in ops], None, False, "direct", out, lse, row_ref)
+    _launcher(kernel)(*[t.cuda() for t in ops], None, False, "direct", out, lse, row_ref)
     out, lse, row_ref = out.cpu(), lse.cpu(), row_ref.cpu()
     assert ref_o.isnan().any(), "the test should inject a NaN the reference sees"
     assert torch.equal(out.isnan(), ref_o.isnan())
@@ -171,10 +224,10 @@ def test_nan_propagates_like_reference(where):
         assert err <= TOL["direct"][1] * ref_o[ok].abs().max().item(), err
 
 
-@pytest.mark.parametrize("p_mode", F.P_MODES)
-def test_large_scores_do_not_overflow(p_mode):
+@pytest.mark.parametrize("p_mode,kernel", [(m, "triton") for m in F.P_MODES] + [("direct", "gluon")])
+def test_large_scores_do_not_overflow(p_mode, kernel):
     """Scores of 1e4 and more: finite and equal to the reference (no exp2 overflow)."""
-    b, h, n, d = 1, 2, 257, 128
+    b, h, n, d = 1, 2, 272, 128
     base = torch.randn(1, 1, 1, d)
     q = base * 100 + torch.randn(b, h, n, d)
     k = base * 100 + torch.randn(b, h, n, d) * 8  # smoothing removes the shared part of K
@@ -184,9 +237,9 @@ def test_large_scores_do_not_overflow(p_mode):
     x = R.log2_scores(q8, k8, qs, ks, None, False, slice(0, n))
     assert x.abs().max() >= 1e4 * F.LOG2E  # natural-log scores of 1e4 and more
     ref = R.attention_forward(*ops, None, False, p_mode, torch.float32)
-    got = _run_kernel(ops, None, False, p_mode)
+    got = _run_kernel(ops, None, False, p_mode, kernel=kernel)
     assert all(torch.isfinite(t).all() for t in got)
-    _check(got, ref, p_mode)
+    _check(got, ref, p_mode, lse_tol=GLUON_LSE_TOL if kernel == "gluon" else None)
 
 
 def test_custom_op_dispatches_to_kernel():

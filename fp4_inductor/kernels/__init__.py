@@ -22,13 +22,18 @@ def _is_sm90(device_index: int) -> bool:
 
 
 @functools.cache
-def _triton_launcher(module: str, name: str):
-    """``kernels.triton.<module>.<name>``, or None where Triton is missing (the reference
-    path serves)."""
+def _module(family: str, module: str):
+    """``kernels.<family>.<module>``, or None where its compiler is missing (Triton, or
+    Triton without Gluon): the next kernel, or the reference path, serves."""
     try:
-        return getattr(importlib.import_module(f".triton.{module}", __name__), name)
+        return importlib.import_module(f".{family}.{module}", __name__)
     except ImportError:
         return None
+
+
+def _triton_launcher(module: str, name: str):
+    mod = _module("triton", module)
+    return None if mod is None else getattr(mod, name)
 
 
 def _applies(q: torch.Tensor) -> bool:
@@ -52,10 +57,21 @@ def quantize_kernel(q: torch.Tensor, fmt: str):
 
 
 def forward_kernel(q: torch.Tensor, p_mode: str):
-    """The Triton sm_90 forward launcher for D in {64, 128}, else None."""
+    """The sm_90 forward launcher for D in {64, 128}, else None: the warp-specialised Gluon
+    kernel for the calls it covers (``kernels.gluon.attention_fwd.supports``), the Triton
+    kernel for the rest (other P modes, biases and masks, Nk not a multiple of 16)."""
     if not _applies(q) or p_mode not in P_MODES:
         return None
-    return _triton_launcher("attention_fwd", "attention_forward")
+    return _forward if _module("triton", "attention_fwd") is not None else None
+
+
+def _forward(q, k, v_t, q_scale, k_scale, v_scale, bias, causal, p_mode, out, lse, row_ref):
+    gluon = _module("gluon", "attention_fwd")
+    if gluon is not None and gluon.supports(q, k, v_t, q_scale, bias, p_mode, lse, row_ref):
+        return gluon.attention_forward(q, k, v_t, q_scale, k_scale, v_scale, bias, causal, p_mode, out, lse,
+                                       row_ref)
+    return _module("triton", "attention_fwd").attention_forward(q, k, v_t, q_scale, k_scale, v_scale, bias,
+                                                                causal, p_mode, out, lse, row_ref)
 
 
 def backward_kernel(q: torch.Tensor, p_mode: str):

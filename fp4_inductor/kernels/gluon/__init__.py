@@ -1,0 +1,1 @@
+"""Kernels written in Triton's Gluon dialect (explicit layouts, warp specialisation)."""

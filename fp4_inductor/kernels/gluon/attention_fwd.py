@@ -1,0 +1,352 @@
+"""Warp-specialised Hopper (sm_90) forward in Gluon, P mode ``direct``.
+
+The numerics of ``kernels/triton/attention_fwd.py`` (INT8 Q.K^T on the tensor cores with
+exact int32 scores, x = mul_rn(s, q_scale log2e k_scale), an integer running maximum,
+Direct-P E4M3 codes, E4M3 P.V with the two-level accumulation), restructured as
+FlashAttention-3 does on Hopper:
+
+- a producer warp streams K [128, D] and V^T [D, 128] tiles through a shared-memory ring
+  with TMA and mbarriers;
+- two consumer warpgroups of 64 query rows each take turns on the tensor cores (``turn``
+  barriers): one issues its Q.K^T and P.V while the other runs its softmax;
+- the row sums come from the tensor cores too: P times a [128, 8] block of ones, a
+  third, narrow product per tile, instead of a shift and an add per element;
+- K rows arrive in the order that makes each thread's accumulator fragment of P its own
+  fp8 A-operand fragment (a 5-D TMA box, see ``_key_order``), so P reaches P.V without
+  register shuffles;
+- tiles wholly inside the keys (and, causal, below the diagonal) run without masks.
+
+One deviation from the reference: the row sum of the codes is summed by the tensor
+core, whose fp8 accumulation keeps fewer mantissa bits than float32, so the LSE is
+within ~2e-4 of the reference's instead of ~2e-6 (measured on the H200); P codes,
+row references and the output (within the reference's tolerance) are unchanged.
+
+Scope (``supports``): p_mode ``direct``, no bias, D in {64, 128}, Nk a multiple of 16
+(TMA needs the V^T rows 16-byte aligned and K in whole 16-key chunks), contiguous
+operands; causal (top-left, as SDPA) or not; GQA/MQA.  Everything else runs the Triton
+kernel.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from ... import formats as F
+
+BLOCK_N = F.KEY_TILE
+BM_WG = 64  # query rows per consumer warpgroup (two per program)
+ONES_N = gl.constexpr(8)  # the narrowest wgmma: P times [BN, 8] ones gives each row's sum 8 times
+E4M3_ONE = gl.constexpr(0x38)
+NUM_STAGES = 2  # K/V ring depth: 3 measured no faster on the H200 (docs/perf-notes.md)
+LIFT = F.p_lift("direct")
+
+
+@gluon.jit
+def _mul_rn(a, b):
+    """a * b rounded on its own (never contracted into a later FMA), as the reference."""
+    return gl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=gl.float32,
+                                     is_pure=True, pack=1)
+
+
+@gluon.jit
+def _fma_sat(x, a, b):
+    """fma(x, a, b) clamped to [0, 1] in one instruction (FFMA.SAT)."""
+    return gl.inline_asm_elementwise("fma.rn.sat.f32 $0, $1, $2, $3;", "=f,f,f,f", [x, a, b], dtype=gl.float32,
+                                     is_pure=True, pack=1)
+
+
+@gluon.jit
+def _max_nan(a, b):
+    """Combine function of a NaN-propagating row maximum: a NaN score makes its row NaN,
+    as in the reference (a plain max would drop it, and FFMA.SAT would turn it into 0)."""
+    return gl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@gluon.jit
+def _direct_p(x, m_new):
+    """Direct-P codes of one tile as the E4M3 operand (see the Triton kernel's _probability):
+    z = sat(x / 32 + (120 - 8 m) / 256), and z + 2**15 leaves rne(256 z) in the low byte."""
+    z = _fma_sat(x, 0.03125, ((120.0 - 8.0 * m_new) * 0.00390625)[:, None])
+    bits = (z + 32768.0).to(gl.int32, bitcast=True)
+    return bits.to(gl.uint8).to(gl.float8e4nv, bitcast=True)
+
+
+@gluon.jit
+def _key_order(BN: gl.constexpr, layout: gl.constexpr):
+    """Key held by each S column.  K rows arrive so that every thread's accumulator
+    fragment of P is its fp8 A-operand fragment (the Triton kernel's _key_permutation):
+    column 16c + 8jl + 2q + b holds key 16c + 4q + 2jl + b.  The TMA box
+    [16-key chunk, jl, q, b, D] with key strides (16, 2, 4, 1) lays K out that way."""
+    c = gl.arange(0, BN, layout)
+    return (c // 16) * 16 + ((c // 2) % 4) * 4 + ((c // 8) % 2) * 2 + c % 2
+
+
+@gluon.jit
+def _p_operand(p, p_layout: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr):
+    """P as the A operand of P.V, columns in key order: a relabelling of registers (the
+    compiler asserts that no data moves)."""
+    p = p.reshape([BM, BN // 32, 2, 2, 4, 2]).permute((0, 1, 2, 4, 3, 5)).reshape([BM, BN])
+    return gl.convert_layout(p, p_layout, assert_trivial=True)
+
+
+@gluon.jit
+def _scores(s, row_t, ks_ptr, j, rows, NK, BN: gl.constexpr, CAUSAL: gl.constexpr, MASKED: gl.constexpr):
+    """log2 scores of tile j from its int32 products; MASKED: keys past NK and (causal)
+    keys after the row at -inf."""
+    t = row_t * gl.load(ks_ptr + j)
+    x = _mul_rn(s.to(gl.float32), t[:, None])
+    if MASKED:
+        keys = j * BN + _key_order(BN, gl.SliceLayout(0, s.type.layout))
+        ok = (keys < NK)[None, :]
+        if CAUSAL:
+            ok = ok & (keys[None, :] <= rows[:, None])
+        x = gl.where(ok, x, float("-inf"))
+    return x
+
+
+@gluon.jit
+def _products(p, v_buf, ones, part, l_part, HEAD_DIM: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr):
+    """Issue P.V and P.1 (the row sums) of one tile, asynchronously."""
+    pa = _p_operand(p, gl.DotOperandLayout(operand_index=0, parent=part.type.layout, k_width=4), BM, BN)
+    part = warpgroup_mma(pa, v_buf.reshape([HEAD_DIM, BN]).permute((1, 0)), part, use_acc=False, is_async=True)
+    pl = gl.convert_layout(pa, gl.DotOperandLayout(operand_index=0, parent=l_part.type.layout, k_width=4),
+                           assert_trivial=True)
+    l_part = warpgroup_mma(pl, ones.permute((1, 0)), l_part, use_acc=False, is_async=True)
+    return part, l_part
+
+
+@gluon.jit
+def _step(j, state, q, s_zero, row_t, rows, ks_ptr, NK, smem, bars,
+          WG: gl.constexpr, HEAD_DIM: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+          STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASKED: gl.constexpr):
+    """Key tile j: S_j on the tensor cores while they run P_{j-1}.V_{j-1}; the softmax of
+    S_j; then tile j-1's products join the float32 sums (two-level accumulation), which
+    move from m_{j-2} to m_{j-1}: acc alpha_{j-1} + P_{j-1} V_{j-1}, one FFMA each."""
+    acc, part, l_acc, l_part, m_i, p, alpha = state
+    q_smem, k_bufs, v_bufs, ones = smem
+    q_bar, k_ready, k_empty, v_ready, v_empty, turn = bars
+    stage = j % STAGES
+    prev = (j - 1) % STAGES
+    mbarrier.wait(k_ready.index(stage), (j // STAGES) & 1)
+    mbarrier.wait(turn.index(WG), j & 1)
+    s = warpgroup_mma(q, k_bufs.index(stage).reshape([BN, HEAD_DIM]).permute((1, 0)), s_zero,
+                      use_acc=False, is_async=True)
+    mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
+    part, l_part = _products(p, v_bufs.index(prev), ones, part, l_part, HEAD_DIM, BM, BN)
+    mbarrier.arrive(turn.index(1 - WG))
+    s = warpgroup_mma_wait(2, deps=(s,))
+    mbarrier.arrive(k_empty.index(stage))
+    x = _scores(s, row_t, ks_ptr, j, rows, NK, BN, CAUSAL, MASKED)
+    m_new = gl.maximum(m_i, gl.ceil(gl.reduce(x, 1, _max_nan)), propagate_nan=tl.PropagateNan.ALL)
+    alpha_new = gl.where(m_new == m_i, 1.0, gl.exp2(m_i - m_new))
+    p = _direct_p(x, m_new)
+    part, l_part = warpgroup_mma_wait(0, deps=(part, l_part))
+    mbarrier.arrive(v_empty.index(prev))
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None] + part
+    l_acc = l_acc * gl.convert_layout(alpha, gl.SliceLayout(1, l_acc.type.layout))[:, None] + l_part
+    return acc, part, l_acc, l_part, m_new, p, alpha_new
+
+
+@gluon.jit
+def _consumer(qs_ptr, ks_ptr, vs_ptr, out_ptr, lse_ptr, ref_ptr, smem, bars, out_strides, row_strides,
+              bh, kv_head, start_m, H, NQ, NK, n_tiles, n_full,
+              WG: gl.constexpr, HEAD_DIM: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+              STAGES: gl.constexpr, CAUSAL: gl.constexpr, LIFT: gl.constexpr):
+    q_smem, k_bufs, v_bufs, ones = smem
+    q_bar, k_ready, k_empty, v_ready, v_empty, turn = bars
+    nw: gl.constexpr = gl.num_warps()
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[nw, 1],
+                                                       instr_shape=[16, BN, 32])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[nw, 1],
+                                                       instr_shape=[16, HEAD_DIM, 32])
+    l_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[nw, 1],
+                                                       instr_shape=[16, ONES_N, 32])
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+    rows = start_m + WG * BM + gl.arange(0, BM, row_s)
+    row_ok = rows < NQ
+    row_t = gl.load(qs_ptr + bh * row_strides[0] + rows * row_strides[1], mask=row_ok, other=0.0) \
+        * 1.4426950408889634  # LOG2E, rounded to float32 like the reference
+    q = q_smem.index(WG).reshape([BM, HEAD_DIM])
+    mbarrier.wait(q_bar, 0)
+    s_zero = gl.zeros([BM, BN], gl.int32, s_layout)
+
+    # Tile 0: scores and P only; each step j then overlaps S_j with P_{j-1} V_{j-1}.
+    mbarrier.wait(k_ready.index(0), 0)
+    mbarrier.wait(turn.index(WG), 0)
+    s = warpgroup_mma(q, k_bufs.index(0).reshape([BN, HEAD_DIM]).permute((1, 0)), s_zero, use_acc=False,
+                      is_async=True)
+    mbarrier.arrive(turn.index(1 - WG))
+    s = warpgroup_mma_wait(0, deps=(s,))
+    mbarrier.arrive(k_empty.index(0))
+    x = _scores(s, row_t, ks_ptr, 0, rows, NK, BN, CAUSAL, True)
+    m_i = gl.ceil(gl.reduce(x, 1, _max_nan))
+    state = (gl.zeros([BM, HEAD_DIM], gl.float32, o_layout), gl.zeros([BM, HEAD_DIM], gl.float32, o_layout),
+             gl.zeros([BM, ONES_N], gl.float32, l_layout), gl.zeros([BM, ONES_N], gl.float32, l_layout),
+             m_i, _direct_p(x, m_i), gl.full([BM], 1.0, gl.float32, row_s))
+    for j in range(1, n_full):
+        state = _step(j, state, q, s_zero, row_t, rows, ks_ptr, NK, smem, bars, WG, HEAD_DIM, BM, BN, STAGES,
+                      CAUSAL, False)
+    for j in range(n_full, n_tiles):
+        state = _step(j, state, q, s_zero, row_t, rows, ks_ptr, NK, smem, bars, WG, HEAD_DIM, BM, BN, STAGES,
+                      CAUSAL, True)
+    acc, part, l_acc, l_part, m_i, p, alpha = state
+    last = (n_tiles - 1) % STAGES
+    mbarrier.wait(v_ready.index(last), ((n_tiles - 1) // STAGES) & 1)
+    part, l_part = _products(p, v_bufs.index(last), ones, part, l_part, HEAD_DIM, BM, BN)
+    part, l_part = warpgroup_mma_wait(0, deps=(part, l_part))
+    mbarrier.arrive(v_empty.index(last))
+    acc = acc * gl.convert_layout(alpha, row_o)[:, None] + part
+    l_acc = l_acc * gl.convert_layout(alpha, gl.SliceLayout(1, l_layout))[:, None] + l_part
+    l_i = gl.convert_layout(gl.max(l_acc, 1), row_s)  # every column holds the row sum
+
+    v_scale = gl.load(vs_ptr + kv_head)
+    r = gl.convert_layout(gl.div_rn(gl.full([BM], 1.0, gl.float32, row_s) * v_scale, l_i), row_o)
+    rows_o = start_m + WG * BM + gl.arange(0, BM, row_o)
+    cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, o_layout))
+    o_ptrs = (out_ptr + (bh // H) * out_strides[0] + (bh % H) * out_strides[1] + rows_o[:, None] * out_strides[2]
+              + cols[None, :] * out_strides[3])
+    gl.store(o_ptrs, (acc * r[:, None]).to(out_ptr.dtype.element_ty), mask=(rows_o < NQ)[:, None])
+    lse = (m_i + gl.log2(l_i) - LIFT) * 0.6931471805599453  # LN2
+    row = bh * row_strides[0] + rows * row_strides[1]
+    gl.store(lse_ptr + row, lse, mask=row_ok)
+    gl.store(ref_ptr + row, m_i, mask=row_ok)  # backward rebuilds P against it
+
+
+@gluon.jit
+def _producer(q_desc, k_desc, v_desc, smem, bars, bh, start_m, kv_head, n_tiles, NK,
+              BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr):
+    q_smem, k_bufs, v_bufs, ones = smem
+    q_bar, k_ready, k_empty, v_ready, v_empty, turn = bars
+    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [bh, start_m, 0], q_bar, q_smem.index(0))
+    tma.async_copy_global_to_shared(q_desc, [bh, start_m + BM, 0], q_bar, q_smem.index(1))
+    for j in range(n_tiles):
+        s = j % STAGES
+        phase = (j // STAGES) & 1
+        mbarrier.wait(k_empty.index(s), phase ^ 1)  # a fresh barrier counts as released
+        mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+        # K in 16-key chunks of all heads in a row (NK % 16 == 0), see _key_order
+        tma.async_copy_global_to_shared(k_desc, [(kv_head * NK + j * BN) // 16, 0, 0, 0, 0], k_ready.index(s),
+                                        k_bufs.index(s))
+        mbarrier.wait(v_empty.index(s), phase ^ 1)
+        mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [kv_head, 0, j * BN], v_ready.index(s), v_bufs.index(s))
+
+
+@gluon.jit
+def _fwd_ws(q_desc, k_desc, v_desc, qs_ptr, ks_ptr, vs_ptr, out_ptr, lse_ptr, ref_ptr,
+            stride_ob, stride_oh, stride_om, stride_od, stride_rb, stride_rm, stride_ksb,
+            H, GROUP, NQ, NK,
+            HEAD_DIM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+            LIFT: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+    BM: gl.constexpr = q_desc.block_type.shape[1]
+    # Causal: the last query rows walk the most key tiles; launch them first.
+    pid_m = gl.num_programs(0) - 1 - gl.program_id(0) if CAUSAL else gl.program_id(0)
+    start_m = pid_m * 2 * BM
+    bh = gl.program_id(1)
+    kv_head = (bh // H) * (H // GROUP) + (bh % H) // GROUP
+    # Tiles 1 .. n_full - 1 need no mask: wholly inside the keys and (causal) at or below
+    # the diagonal of the program's first row.  Both warpgroups walk the same tiles.
+    if CAUSAL:
+        n_tiles = gl.cdiv(gl.minimum(NK, start_m + 2 * BM), BN)
+        n_full = gl.maximum(gl.minimum(NK, start_m) // BN, 1)
+    else:
+        n_tiles = gl.cdiv(NK, BN)
+        n_full = gl.maximum(NK // BN, 1)
+
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+    k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)  # both consumer warpgroups release a stage
+        mbarrier.init(v_empty.index(i), count=2)
+    mbarrier.init(turn.index(0), count=1)
+    mbarrier.init(turn.index(1), count=1)
+    mbarrier.arrive(turn.index(0))  # warpgroup 0 issues first
+
+    # Ones for the row sums, [8, BN] K-major like V^T; written once, before the partitions.
+    ones = gl.allocate_shared_memory(gl.float8e4nv, [ONES_N, BN],
+                                     gl.NVMMASharedLayout.get_default_for([ONES_N, BN], gl.float8e4nv))
+    fill: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [gl.num_warps(), 1], [1, 0])
+    ones.store(gl.full([ONES_N, BN], E4M3_ONE, gl.uint8, fill).to(gl.float8e4nv, bitcast=True))
+    fence_async_shared()
+    gl.thread_barrier()
+
+    smem = (q_smem, k_bufs, v_bufs, ones)
+    bars = (q_bar, k_ready, k_empty, v_ready, v_empty, turn)
+    out_strides = (stride_ob, stride_oh, stride_om, stride_od)
+    row_strides = (stride_rb, stride_rm)
+    ks_head = ks_ptr + kv_head * stride_ksb
+    gl.warp_specialize([
+        (_consumer, (qs_ptr, ks_head, vs_ptr, out_ptr, lse_ptr, ref_ptr, smem, bars, out_strides, row_strides,
+                     bh, kv_head, start_m, H, NQ, NK, n_tiles, n_full, 0, HEAD_DIM, BM, BN, STAGES, CAUSAL, LIFT)),
+        (_consumer, (qs_ptr, ks_head, vs_ptr, out_ptr, lse_ptr, ref_ptr, smem, bars, out_strides, row_strides,
+                     bh, kv_head, start_m, H, NQ, NK, n_tiles, n_full, 1, HEAD_DIM, BM, BN, STAGES, CAUSAL, LIFT)),
+        (_producer, (q_desc, k_desc, v_desc, smem, bars, bh, start_m, kv_head, n_tiles, NK, BM, BN, STAGES)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+def supports(q, k, v_t, q_scale, bias, p_mode, lse, row_ref) -> bool:
+    """Whether this kernel computes the call (module docstring), else the Triton one does."""
+    d, nk = q.shape[-1], k.shape[2]
+    return (p_mode == "direct" and bias is None and d in (64, 128) and nk % 16 == 0 and q.shape[2] > 0
+            and nk > 0 and all(t.is_contiguous() for t in (q, k, v_t, q_scale, lse, row_ref)))
+
+
+def _layout(block, dtype):
+    return gl.NVMMASharedLayout.get_default_for(block, dtype)
+
+
+def attention_forward(q, k, v_t, q_scale, k_scale, v_scale, bias, causal, p_mode, out, lse, row_ref):
+    """The Triton launcher's contract, for the calls ``supports`` accepts."""
+    assert supports(q, k, v_t, q_scale, bias, p_mode, lse, row_ref)
+    b, h, nq, d = q.shape
+    hkv, nk = k.shape[1], k.shape[2]
+    q_block, k_block, v_block = [1, BM_WG, d], [BLOCK_N // 16, 2, 4, 2, d], [1, d, BLOCK_N]
+    q_desc = TensorDescriptor.from_tensor(q.view(b * h, nq, d), q_block, _layout(q_block, gl.int8))
+    # K as [16-key chunks of all heads, jl, q, b, D]: see _key_order.
+    k_desc = TensorDescriptor(k, [b * hkv * nk // 16, 2, 4, 2, d], [16 * d, 2 * d, 4 * d, d, 1], k_block,
+                              _layout(k_block, gl.int8))
+    v_desc = TensorDescriptor.from_tensor(v_t.view(b * hkv, d, nk), v_block, _layout(v_block, gl.float8e4nv))
+    k_scale, v_scale = k_scale.float().reshape(b * hkv, -1), v_scale.float().reshape(-1)
+    _fwd_ws[(triton.cdiv(nq, 2 * BM_WG), b * h)](
+        q_desc, k_desc, v_desc, q_scale.float(), k_scale, v_scale, out, lse, row_ref,
+        *out.stride(), lse.stride(1), lse.stride(2), k_scale.stride(0), h, h // hkv, nq, nk,
+        HEAD_DIM=d, BN=BLOCK_N, STAGES=NUM_STAGES, CAUSAL=bool(causal), LIFT=LIFT,
+        CONSUMER_REGS=240, PRODUCER_REGS=24, num_warps=4, maxnreg=168)
+
+
+def compile_for_sm90(d: int, causal: bool):
+    """Compile without a GPU (Triton's bundled ptxas), for inspection: the compiled kernel."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    def desc(dt, block, dtype):
+        return f"tensordesc<{dt}[{', '.join(map(str, block))}],{_layout(block, dtype)!r}>"
+
+    sig = {"q_desc": desc("i8", [1, BM_WG, d], gl.int8), "k_desc": desc("i8", [BLOCK_N // 16, 2, 4, 2, d], gl.int8),
+           "v_desc": desc("fp8e4nv", [1, d, BLOCK_N], gl.float8e4nv), "qs_ptr": "*fp32", "ks_ptr": "*fp32",
+           "vs_ptr": "*fp32", "out_ptr": "*bf16", "lse_ptr": "*fp32", "ref_ptr": "*fp32"}
+    consts = dict(HEAD_DIM=d, BN=BLOCK_N, STAGES=NUM_STAGES, CAUSAL=causal, LIFT=LIFT, CONSUMER_REGS=240,
+                  PRODUCER_REGS=24)
+    for name in _fwd_ws.arg_names:
+        sig.setdefault(name, "constexpr" if name in consts else "i32")
+    src = GluonASTSource(_fwd_ws, sig, constexprs=consts)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=168))
