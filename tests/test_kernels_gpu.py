@@ -134,23 +134,22 @@ GLUON_LSE_TOL = 1e-3
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("shape", GLUON_SHAPES, ids=lambda s: f"b{s[0]}h{s[1]}kv{s[2]}q{s[3]}k{s[4]}")
 def test_gluon_matches_reference(shape, d, causal):
-    from fp4_inductor.kernels.gluon import attention_fwd as G
-
     b, h, hkv, nq, nk = shape
     ops, _ = _inputs(b, h, hkv, nq, nk, d, "direct")
     got = _run_kernel(ops, None, causal, "direct", kernel="gluon")
     ref = R.attention_forward(*ops, None, causal, "direct", torch.float32)
     _check(got, ref, "direct", lse_tol=GLUON_LSE_TOL)
-    rows = torch.empty(b, h, nq)
-    assert G.supports(*ops[:4], None, "direct", rows, rows)  # the case the dispatch sends here
 
 
 def test_dispatch_picks_gluon_where_it_applies():
-    """kernels.forward_kernel runs the Gluon kernel in its scope and Triton outside it:
-    LSE errors tell them apart (row sums of codes exact in Triton, ~1e-4 in Gluon)."""
+    """kernels.forward_kernel runs the Gluon kernel in its scope from GLUON_MIN_KEYS keys
+    on and Triton otherwise: LSE errors tell them apart (row sums of codes exact in
+    Triton, ~1e-4 in Gluon)."""
     from fp4_inductor import kernels
 
-    for nk, bias_kind, gluon in ((1024, None, True), (1000, None, False), (1024, "keypad", False)):
+    assert kernels.GLUON_MIN_KEYS[False] == 4096
+    for nk, bias_kind, gluon in ((4096, None, True), (4080, None, False), (4000, None, False),
+                                 (4096, "keypad", False)):
         ops, bias = _inputs(1, 4, 2, 512, nk, 128, "direct", bias_kind)
         dev = [t.cuda() for t in ops]
         out = torch.full((1, 512, 4, 128), float("nan"), device="cuda").transpose(1, 2)
@@ -264,7 +263,8 @@ def test_custom_op_dispatches_to_kernel():
     ("fp4", "fp4", 0.5, 0.93),
 ])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_lowp_attention_end_to_end(fmt, p_mode, max_rel_l2, min_cos, causal):
+@pytest.mark.parametrize("n", [1024, 8192])  # the Triton kernel, then (direct) the Gluon one
+def test_lowp_attention_end_to_end(fmt, p_mode, max_rel_l2, min_cos, causal, n):
     """lowp_attention (quantize + kernel) against float32 SDPA on Gaussian inputs, GQA.
 
     Bounds sit above the accuracy of the same numerics (reference emulation and kernel,
@@ -272,7 +272,7 @@ def test_lowp_attention_end_to_end(fmt, p_mode, max_rel_l2, min_cos, causal):
     (the format's, not the kernel's); BF16 SDPA is 0.002."""
     from fp4_inductor.attention import lowp_attention
 
-    b, h, hkv, n, d = 2, 8, 2, 1024, 128
+    b, h, hkv, d = 2, 8, 2, 128
     q = torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(b, hkv, n, d, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(b, hkv, n, d, device="cuda", dtype=torch.bfloat16)
