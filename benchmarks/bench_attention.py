@@ -9,7 +9,7 @@ N in {512 .. 32k}, causal off and on.  Rows, all timed in the same run with
 triton.testing.do_bench medians:
   - ours, P mode direct / exp / fp4: the kernel that fp4attn::fwd runs (the Gluon kernel
     in its scope, else the Triton one) alone on quantized operands, and "+quant": the
-    fp4attn::quantize op (what the backend runs) plus the kernel; "ours-direct-triton":
+    fp4attn::quantize op (what the backend runs) plus the kernel; "ours-{direct,exp}-triton":
     the Triton kernel on the same operands;
   - torch SDPA BF16 on the cuDNN and flash backends, FlashAttention-4 (flash_attn.cute)
     BF16, cuDNN FP8 (cudnn frontend sdpa_fp8, plain cast, FP8 out); a peer whose package
@@ -151,7 +151,8 @@ def methods():
     for mode in MODES:
         rows[f"ours-{mode}"] = ours(mode, with_quant=False)
         rows[f"ours-{mode}+quant"] = ours(mode, with_quant=True)
-    rows["ours-direct-triton"] = ours("direct", with_quant=False, triton_only=True)
+    for mode in ("direct", "exp"):  # the Gluon kernel's modes, on the Triton kernel
+        rows[f"ours-{mode}-triton"] = ours(mode, with_quant=False, triton_only=True)
     rows["sdpa-cudnn-bf16"] = sdpa("CUDNN_ATTENTION")
     rows["sdpa-flash-bf16"] = sdpa("FLASH_ATTENTION")
     rows["fa4-bf16"] = fa4

@@ -59,8 +59,8 @@ def quantize_kernel(q: torch.Tensor, fmt: str):
 def forward_kernel(q: torch.Tensor, p_mode: str):
     """The sm_90 forward launcher for D in {64, 128}, else None: the warp-specialised Gluon
     kernel for the calls it covers (``kernels.gluon.attention_fwd.supports``) from
-    ``GLUON_MIN_KEYS`` keys on, the Triton kernel for the rest (shorter rows, other P
-    modes, biases and masks, Nk not a multiple of 16)."""
+    ``GLUON_MIN_KEYS`` keys on, the Triton kernel for the rest (shorter rows, P mode fp4,
+    biases and masks, Nk not a multiple of 16)."""
     if not _applies(q) or p_mode not in P_MODES:
         return None
     return _forward if _module("triton", "attention_fwd") is not None else None

@@ -1,4 +1,4 @@
-"""Warp-specialised Hopper (sm_90) forward in Gluon, P mode ``direct``.
+"""Warp-specialised Hopper (sm_90) forward in Gluon, P modes ``direct`` and ``exp``.
 
 The numerics of ``kernels/triton/attention_fwd.py`` (INT8 Q.K^T on the tensor cores with
 exact int32 scores, x = mul_rn(s, q_scale log2e k_scale), an integer running maximum,
@@ -21,7 +21,8 @@ core, whose fp8 accumulation keeps fewer mantissa bits than float32, so the LSE 
 within ~2e-4 of the reference's instead of ~2e-6 (measured on the H200); P codes,
 row references and the output (within the reference's tolerance) are unchanged.
 
-Scope (``supports``): p_mode ``direct``, no bias, D in {64, 128}, Nk a multiple of 16
+Scope (``supports``): P mode ``direct`` or ``exp`` (the ablation: exp2 on the MUFU and
+the convert instruction, in the same kernel structure), no bias, D in {64, 128}, Nk a multiple of 16
 (TMA needs the V^T rows 16-byte aligned and K in whole 16-key chunks), contiguous
 operands; causal (top-left, as SDPA) or not; GQA/MQA.  Everything else runs the Triton
 kernel.
@@ -44,7 +45,6 @@ BM_WG = 64  # query rows per consumer warpgroup (two per program)
 ONES_N = gl.constexpr(8)  # the narrowest wgmma: P times [BN, 8] ones gives each row's sum 8 times
 E4M3_ONE = gl.constexpr(0x38)
 NUM_STAGES = 2  # K/V ring depth: 3 measured no faster on the H200 (docs/perf-notes.md)
-LIFT = F.p_lift("direct")
 
 
 @gluon.jit
@@ -69,12 +69,24 @@ def _max_nan(a, b):
 
 
 @gluon.jit
-def _direct_p(x, m_new):
-    """Direct-P codes of one tile as the E4M3 operand (see the Triton kernel's _probability):
-    z = sat(x / 32 + (120 - 8 m) / 256), and z + 2**15 leaves rne(256 z) in the low byte."""
-    z = _fma_sat(x, 0.03125, ((120.0 - 8.0 * m_new) * 0.00390625)[:, None])
-    bits = (z + 32768.0).to(gl.int32, bitcast=True)
-    return bits.to(gl.uint8).to(gl.float8e4nv, bitcast=True)
+def _e4m3(v):
+    """E4M3 codes (RNE, saturating) of float32 ``v``, one cvt per pair (the first element
+    goes to the low byte)."""
+    return gl.inline_asm_elementwise("cvt.rn.satfinite.e4m3x2.f32 $0, $2, $1;", "=h,f,f", [v], dtype=gl.uint8,
+                                     is_pure=True, pack=2)
+
+
+@gluon.jit
+def _probability(x, m_new, EXP: gl.constexpr):
+    """The E4M3 P operand of one tile, as the Triton kernel's _probability.  Direct-P:
+    z = sat(x / 32 + (120 - 8 m) / 256), and z + 2**15 leaves rne(256 z) in the low byte;
+    exp: exp2(x - m + 8) converted by the cvt instruction."""
+    if EXP:
+        codes = _e4m3(gl.exp2(x - m_new[:, None] + 8.0))
+    else:
+        z = _fma_sat(x, 0.03125, ((120.0 - 8.0 * m_new) * 0.00390625)[:, None])
+        codes = (z + 32768.0).to(gl.int32, bitcast=True).to(gl.uint8)
+    return codes.to(gl.float8e4nv, bitcast=True)
 
 
 @gluon.jit
@@ -124,7 +136,7 @@ def _products(p, v_buf, ones, part, l_part, HEAD_DIM: gl.constexpr, BM: gl.const
 @gluon.jit
 def _step(j, state, q, s_zero, row_t, rows, ks_ptr, NK, smem, bars,
           WG: gl.constexpr, HEAD_DIM: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
-          STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASKED: gl.constexpr):
+          STAGES: gl.constexpr, CAUSAL: gl.constexpr, EXP: gl.constexpr, MASKED: gl.constexpr):
     """Key tile j: S_j on the tensor cores while they run P_{j-1}.V_{j-1}; the softmax of
     S_j; then tile j-1's products join the float32 sums (two-level accumulation), which
     move from m_{j-2} to m_{j-1}: acc alpha_{j-1} + P_{j-1} V_{j-1}, one FFMA each."""
@@ -145,7 +157,7 @@ def _step(j, state, q, s_zero, row_t, rows, ks_ptr, NK, smem, bars,
     x = _scores(s, row_t, ks_ptr, j, rows, NK, BN, CAUSAL, MASKED)
     m_new = gl.maximum(m_i, gl.ceil(gl.reduce(x, 1, _max_nan)), propagate_nan=tl.PropagateNan.ALL)
     alpha_new = gl.where(m_new == m_i, 1.0, gl.exp2(m_i - m_new))
-    p = _direct_p(x, m_new)
+    p = _probability(x, m_new, EXP)
     part, l_part = warpgroup_mma_wait(0, deps=(part, l_part))
     mbarrier.arrive(v_empty.index(prev))
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None] + part
@@ -157,7 +169,7 @@ def _step(j, state, q, s_zero, row_t, rows, ks_ptr, NK, smem, bars,
 def _consumer(qs_ptr, ks_ptr, vs_ptr, out_ptr, lse_ptr, ref_ptr, smem, bars, out_strides, row_strides,
               bh, kv_head, start_m, H, NQ, NK, n_tiles, n_full,
               WG: gl.constexpr, HEAD_DIM: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
-              STAGES: gl.constexpr, CAUSAL: gl.constexpr, LIFT: gl.constexpr):
+              STAGES: gl.constexpr, CAUSAL: gl.constexpr, EXP: gl.constexpr, LIFT: gl.constexpr):
     q_smem, k_bufs, v_bufs, ones = smem
     q_bar, k_ready, k_empty, v_ready, v_empty, turn = bars
     nw: gl.constexpr = gl.num_warps()
@@ -190,13 +202,13 @@ def _consumer(qs_ptr, ks_ptr, vs_ptr, out_ptr, lse_ptr, ref_ptr, smem, bars, out
     m_i = gl.ceil(gl.reduce(x, 1, _max_nan))
     state = (gl.zeros([BM, HEAD_DIM], gl.float32, o_layout), gl.zeros([BM, HEAD_DIM], gl.float32, o_layout),
              gl.zeros([BM, ONES_N], gl.float32, l_layout), gl.zeros([BM, ONES_N], gl.float32, l_layout),
-             m_i, _direct_p(x, m_i), gl.full([BM], 1.0, gl.float32, row_s))
+             m_i, _probability(x, m_i, EXP), gl.full([BM], 1.0, gl.float32, row_s))
     for j in range(1, n_full):
         state = _step(j, state, q, s_zero, row_t, rows, ks_ptr, NK, smem, bars, WG, HEAD_DIM, BM, BN, STAGES,
-                      CAUSAL, False)
+                      CAUSAL, EXP, False)
     for j in range(n_full, n_tiles):
         state = _step(j, state, q, s_zero, row_t, rows, ks_ptr, NK, smem, bars, WG, HEAD_DIM, BM, BN, STAGES,
-                      CAUSAL, True)
+                      CAUSAL, EXP, True)
     acc, part, l_acc, l_part, m_i, p, alpha = state
     last = (n_tiles - 1) % STAGES
     mbarrier.wait(v_ready.index(last), ((n_tiles - 1) // STAGES) & 1)
@@ -246,7 +258,7 @@ def _fwd_ws(q_desc, k_desc, v_desc, qs_ptr, ks_ptr, vs_ptr, out_ptr, lse_ptr, re
             stride_ob, stride_oh, stride_om, stride_od, stride_rb, stride_rm, stride_ksb,
             H, GROUP, NQ, NK,
             HEAD_DIM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-            LIFT: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+            EXP: gl.constexpr, LIFT: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     BM: gl.constexpr = q_desc.block_type.shape[1]
     # Causal: the last query rows walk the most key tiles; launch them first.
     pid_m = gl.num_programs(0) - 1 - gl.program_id(0) if CAUSAL else gl.program_id(0)
@@ -296,9 +308,9 @@ def _fwd_ws(q_desc, k_desc, v_desc, qs_ptr, ks_ptr, vs_ptr, out_ptr, lse_ptr, re
     ks_head = ks_ptr + kv_head * stride_ksb
     gl.warp_specialize([
         (_consumer, (qs_ptr, ks_head, vs_ptr, out_ptr, lse_ptr, ref_ptr, smem, bars, out_strides, row_strides,
-                     bh, kv_head, start_m, H, NQ, NK, n_tiles, n_full, 0, HEAD_DIM, BM, BN, STAGES, CAUSAL, LIFT)),
+                     bh, kv_head, start_m, H, NQ, NK, n_tiles, n_full, 0, HEAD_DIM, BM, BN, STAGES, CAUSAL, EXP, LIFT)),
         (_consumer, (qs_ptr, ks_head, vs_ptr, out_ptr, lse_ptr, ref_ptr, smem, bars, out_strides, row_strides,
-                     bh, kv_head, start_m, H, NQ, NK, n_tiles, n_full, 1, HEAD_DIM, BM, BN, STAGES, CAUSAL, LIFT)),
+                     bh, kv_head, start_m, H, NQ, NK, n_tiles, n_full, 1, HEAD_DIM, BM, BN, STAGES, CAUSAL, EXP, LIFT)),
         (_producer, (q_desc, k_desc, v_desc, smem, bars, bh, start_m, kv_head, n_tiles, NK, BM, BN, STAGES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -306,7 +318,7 @@ def _fwd_ws(q_desc, k_desc, v_desc, qs_ptr, ks_ptr, vs_ptr, out_ptr, lse_ptr, re
 def supports(q, k, v_t, q_scale, bias, p_mode, lse, row_ref) -> bool:
     """Whether this kernel computes the call (module docstring), else the Triton one does."""
     d, nk = q.shape[-1], k.shape[2]
-    return (p_mode == "direct" and bias is None and d in (64, 128) and nk % 16 == 0 and q.shape[2] > 0
+    return (p_mode in ("direct", "exp") and bias is None and d in (64, 128) and nk % 16 == 0 and q.shape[2] > 0
             and nk > 0 and all(t.is_contiguous() for t in (q, k, v_t, q_scale, lse, row_ref)))
 
 
@@ -329,11 +341,11 @@ def attention_forward(q, k, v_t, q_scale, k_scale, v_scale, bias, causal, p_mode
     _fwd_ws[(triton.cdiv(nq, 2 * BM_WG), b * h)](
         q_desc, k_desc, v_desc, q_scale.float(), k_scale, v_scale, out, lse, row_ref,
         *out.stride(), lse.stride(1), lse.stride(2), k_scale.stride(0), h, h // hkv, nq, nk,
-        HEAD_DIM=d, BN=BLOCK_N, STAGES=NUM_STAGES, CAUSAL=bool(causal), LIFT=LIFT,
-        CONSUMER_REGS=240, PRODUCER_REGS=24, num_warps=4, maxnreg=168)
+        HEAD_DIM=d, BN=BLOCK_N, STAGES=NUM_STAGES, CAUSAL=bool(causal), EXP=p_mode == "exp",
+        LIFT=F.p_lift(p_mode), CONSUMER_REGS=240, PRODUCER_REGS=24, num_warps=4, maxnreg=168)
 
 
-def compile_for_sm90(d: int, causal: bool):
+def compile_for_sm90(d: int, causal: bool, p_mode: str = "direct"):
     """Compile without a GPU (Triton's bundled ptxas), for inspection: the compiled kernel."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -344,7 +356,8 @@ def compile_for_sm90(d: int, causal: bool):
     sig = {"q_desc": desc("i8", [1, BM_WG, d], gl.int8), "k_desc": desc("i8", [BLOCK_N // 16, 2, 4, 2, d], gl.int8),
            "v_desc": desc("fp8e4nv", [1, d, BLOCK_N], gl.float8e4nv), "qs_ptr": "*fp32", "ks_ptr": "*fp32",
            "vs_ptr": "*fp32", "out_ptr": "*bf16", "lse_ptr": "*fp32", "ref_ptr": "*fp32"}
-    consts = dict(HEAD_DIM=d, BN=BLOCK_N, STAGES=NUM_STAGES, CAUSAL=causal, LIFT=LIFT, CONSUMER_REGS=240,
+    consts = dict(HEAD_DIM=d, BN=BLOCK_N, STAGES=NUM_STAGES, CAUSAL=causal, EXP=p_mode == "exp",
+                  LIFT=F.p_lift(p_mode), CONSUMER_REGS=240,
                   PRODUCER_REGS=24)
     for name in _fwd_ws.arg_names:
         sig.setdefault(name, "constexpr" if name in consts else "i32")
