@@ -9,8 +9,9 @@ N in {512 .. 32k}, causal off and on.  Rows, all timed in the same run with
 triton.testing.do_bench medians:
   - ours, P mode direct / exp / fp4: the kernel that fp4attn::fwd runs (the Gluon kernel
     in its scope, else the Triton one) alone on quantized operands, and "+quant": the
-    fp4attn::quantize op (what the backend runs) plus the kernel; "ours-{direct,exp}-triton":
-    the Triton kernel on the same operands;
+    fp4attn::quantize op (what the backend runs) plus the kernel; "ours-direct-triton" and
+    "ours-exp-gluon": the kernel the op does not pick for that mode, on the same operands
+    (Direct-P against exp within each kernel structure);
   - torch SDPA BF16 on the cuDNN and flash backends, FlashAttention-4 (flash_attn.cute)
     BF16, cuDNN FP8 (cudnn frontend sdpa_fp8, plain cast, FP8 out); a peer whose package
     is missing is recorded as "not installed".
@@ -39,6 +40,7 @@ import common as C  # noqa: E402
 from fp4_inductor import formats as F  # noqa: E402
 from fp4_inductor import kernels  # noqa: E402
 from fp4_inductor import ops as _ops  # noqa: E402,F401  (registers torch.ops.fp4attn)
+from fp4_inductor.kernels.gluon import attention_fwd as G  # noqa: E402
 from fp4_inductor.kernels.triton import attention_fwd as A  # noqa: E402
 
 MODES = ("direct", "exp", "fp4")
@@ -48,7 +50,7 @@ NOT_INSTALLED = "not installed"
 # ------------------------------------------------------------------ ours
 
 
-def ours(mode, with_quant, triton_only=False):
+def ours(mode, with_quant, kernel=None):
     def setup(q, k, v, causal):
         b, h, n, d = q.shape
         sm_scale = 1.0 / math.sqrt(d)
@@ -56,7 +58,8 @@ def ours(mode, with_quant, triton_only=False):
         quant = functools.partial(torch.ops.fp4attn.quantize, fmt=fmt)
         ops = quant(q, k, v, sm_scale)
         outputs = C.empty_outputs(b, h, n, d, dtype=q.dtype)
-        launch = A.attention_forward if triton_only else kernels.forward_kernel(q, mode)
+        launch = {"triton": A.attention_forward, "gluon": G.attention_forward}.get(kernel) or \
+            kernels.forward_kernel(q, mode)
 
         def run_kernel(t):
             launch(*t, None, causal, mode, *outputs)
@@ -151,8 +154,8 @@ def methods():
     for mode in MODES:
         rows[f"ours-{mode}"] = ours(mode, with_quant=False)
         rows[f"ours-{mode}+quant"] = ours(mode, with_quant=True)
-    for mode in ("direct", "exp"):  # the Gluon kernel's modes, on the Triton kernel
-        rows[f"ours-{mode}-triton"] = ours(mode, with_quant=False, triton_only=True)
+    rows["ours-direct-triton"] = ours("direct", with_quant=False, kernel="triton")
+    rows["ours-exp-gluon"] = ours("exp", with_quant=False, kernel="gluon")  # the ablation in one structure
     rows["sdpa-cudnn-bf16"] = sdpa("CUDNN_ATTENTION")
     rows["sdpa-flash-bf16"] = sdpa("FLASH_ATTENTION")
     rows["fa4-bf16"] = fa4

@@ -58,23 +58,25 @@ def quantize_kernel(q: torch.Tensor, fmt: str):
 
 def forward_kernel(q: torch.Tensor, p_mode: str):
     """The sm_90 forward launcher for D in {64, 128}, else None: the warp-specialised Gluon
-    kernel for the calls it covers (``kernels.gluon.attention_fwd.supports``) from
-    ``GLUON_MIN_KEYS`` keys on, the Triton kernel for the rest (shorter rows, P mode fp4,
-    biases and masks, Nk not a multiple of 16)."""
+    kernel for P mode direct where it covers the call (``kernels.gluon.attention_fwd.supports``)
+    from ``GLUON_MIN_KEYS`` keys on, the Triton kernel for the rest (shorter rows, P modes
+    exp and fp4, biases and masks, Nk not a multiple of 16)."""
     if not _applies(q) or p_mode not in P_MODES:
         return None
     return _forward if _module("triton", "attention_fwd") is not None else None
 
 
 # Key lengths (by causal) from which the Gluon kernel beat the Triton one at D = 64 and 128
-# on the H200 (benchmarks/results/forward_h200.json): it runs one program of 128 query rows
-# per SM, whose pipeline fill and drain weigh on rows of few key tiles.
+# on the H200 in P mode direct (benchmarks/results/forward_h200.json): it runs one program
+# of 128 query rows per SM, whose pipeline fill and drain weigh on rows of few key tiles.
+# Its exp mode (the Direct-P ablation) measured slower than the Triton kernel's: exp calls
+# stay on Triton.
 GLUON_MIN_KEYS = {False: 4096, True: 8192}
 
 
 def _forward(q, k, v_t, q_scale, k_scale, v_scale, bias, causal, p_mode, out, lse, row_ref):
     gluon = _module("gluon", "attention_fwd")
-    if gluon is not None and k.shape[2] >= GLUON_MIN_KEYS[bool(causal)] \
+    if gluon is not None and p_mode == "direct" and k.shape[2] >= GLUON_MIN_KEYS[bool(causal)] \
             and gluon.supports(q, k, v_t, q_scale, bias, p_mode, lse, row_ref):
         return gluon.attention_forward(q, k, v_t, q_scale, k_scale, v_scale, bias, causal, p_mode, out, lse,
                                        row_ref)
