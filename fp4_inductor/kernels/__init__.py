@@ -87,11 +87,9 @@ def _forward(q, k, v_t, q_scale, k_scale, v_scale, bias, causal, p_mode, out, ls
 def backward_kernel(q: torch.Tensor, p_mode: str):
     """The Triton sm_90 backward launcher, under the forward's conditions, else None.
 
-    Opt-in (``FP4ATTN_BWD_KERNEL=1``): its GPU tests passed against the reference on the
-    H200 (before P was rebuilt against the saved row reference, a change not yet run
-    there), but it has not been timed against the reference emulation it would replace, and
-    at 25-180 TFLOP/s (causal fwd+bwd) it is 3-9x slower than BF16 SDPA
-    (benchmarks/results/training_h200.json).
+    Opt-in (``FP4ATTN_BWD_KERNEL=1``): its GPU tests pass against the reference on the H200,
+    but at 27-183 TFLOP/s (causal fwd+bwd, D=128) it is 0.10-0.31x FlashAttention-4
+    (benchmarks/results/training_h200.json), so BF16 SDPA is the faster choice.
     """
     if os.environ.get("FP4ATTN_BWD_KERNEL", "0") != "1" or not _applies(q) or p_mode not in P_MODES:
         return None
