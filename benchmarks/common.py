@@ -47,12 +47,15 @@ def empty_outputs(b, h, nq, d, dtype=torch.bfloat16, device="cuda", fill=float("
 
 
 def environment() -> dict:
-    import triton
+    try:
+        import triton
+    except ImportError:  # CPU-only machines: the reference emulation needs no Triton
+        triton = None
 
     env = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "torch": torch.__version__,
-        "triton": triton.__version__,
+        "triton": triton.__version__ if triton else None,
         "cuda": torch.version.cuda,
         "python": platform.python_version(),
     }
