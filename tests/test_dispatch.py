@@ -12,11 +12,14 @@ from fp4_inductor import kernels
 
 @pytest.fixture
 def launched(monkeypatch):
-    """Stand-in Gluon and Triton modules; returns the list of kernels called."""
+    """Stand-in Gluon and Triton modules; returns the list of kernels called (a Gluon
+    launch raises when the list holds "break gluon")."""
     calls = []
 
     def module(family, name):
         def attention_forward(*args):
+            if family == "gluon" and "break gluon" in calls:
+                raise RuntimeError("compile error")
             calls.append(family)
 
         def supports(q, k, v_t, q_scale, bias, p_mode, lse, row_ref):
@@ -25,20 +28,35 @@ def launched(monkeypatch):
         return types.SimpleNamespace(attention_forward=attention_forward, supports=supports)
 
     monkeypatch.setattr(kernels, "_module", module)
+    monkeypatch.setattr(kernels, "_gluon_failed", False)
     return calls
 
 
-@pytest.mark.parametrize("p_mode,causal,nk,bias,expected", [
-    ("direct", False, 4096, None, "gluon"),
-    ("direct", False, 4080, None, "triton"),  # below GLUON_MIN_KEYS
-    ("direct", True, 4096, None, "triton"),  # causal needs more keys
-    ("direct", True, 8192, None, "gluon"),
-    ("direct", False, 4096, torch.zeros(1), "triton"),  # outside the Gluon kernel's scope
-    ("exp", False, 8192, None, "triton"),  # measured faster on Triton
-    ("fp4", False, 8192, None, "triton"),
-])
-def test_forward_dispatch(launched, p_mode, causal, nk, bias, expected):
-    q, k = torch.empty(1, 2, 64, 128), torch.empty(1, 2, nk, 128)
-    rows = torch.empty(1, 2, 64)
+def _launch(p_mode, causal, nq, nk, bias=None):
+    q, k = torch.empty(1, 2, nq, 128), torch.empty(1, 2, nk, 128)
+    rows = torch.empty(1, 2, nq)
     kernels._forward(q, k, k, rows, None, None, bias, causal, p_mode, q, rows, rows)
+
+
+@pytest.mark.parametrize("p_mode,causal,nq,nk,bias,expected", [
+    ("direct", False, 4096, 4096, None, "gluon"),
+    ("direct", False, 4080, 4080, None, "triton"),  # below GLUON_MIN_KEYS
+    ("direct", False, 4104, 4104, None, "triton"),  # keys not a multiple of 16
+    ("direct", False, 1, 8192, None, "triton"),  # decode: unmeasured for Gluon
+    ("direct", True, 4096, 4096, None, "triton"),  # causal needs more keys
+    ("direct", True, 8192, 8192, None, "gluon"),
+    ("direct", False, 4096, 4096, torch.zeros(1), "triton"),  # outside the Gluon kernel's scope
+    ("exp", False, 8192, 8192, None, "triton"),  # measured faster on Triton
+    ("fp4", False, 8192, 8192, None, "triton"),
+])
+def test_forward_dispatch(launched, p_mode, causal, nq, nk, bias, expected):
+    _launch(p_mode, causal, nq, nk, bias)
     assert launched == [expected]
+
+
+def test_gluon_failure_falls_back_to_triton_once(launched):
+    launched.append("break gluon")
+    with pytest.warns(RuntimeWarning, match="Gluon forward kernel failed"):
+        _launch("direct", False, 4096, 4096)
+    _launch("direct", False, 4096, 4096)  # remembered: no second attempt, no second warning
+    assert launched == ["break gluon", "triton", "triton"]

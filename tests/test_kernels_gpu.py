@@ -1,4 +1,5 @@
-"""The Triton sm_90 forward kernel against ``reference.attention_forward``.
+"""The sm_90 forward kernels (Triton, and the warp-specialised Gluon one in its scope)
+against ``reference.attention_forward``.
 
 Kernel and reference see the same quantized operands (quantized once, on the CPU; the
 reference runs on the CPU because its exact INT8 product uses an int64 matmul that CUDA
@@ -14,7 +15,9 @@ a small probability in a 4k-key row to ~1e-1.
     more accurate, so a value on an E4M3 rounding boundary may flip a code (a few per
     million): rel-L2 <= 2e-3, at most 0.1 % of elements beyond 3e-3 max |ref|, at most
     1 % of rows with LSE error beyond 1e-5 and none beyond 0.1.
-A wrong formula, tile or mask costs orders of magnitude more (a broken fp8 conversion
+The Gluon kernel sums the codes on the tensor cores (fp8 accumulation), so its LSE
+is held to 1e-3 (~2e-4 measured) and its code exactness rests on the row references and
+the output.  A wrong formula, tile or mask costs orders of magnitude more (a broken fp8 conversion
 met while writing the kernel gave rel-L2 ~1 and LSE errors ~10).  Every output is
 poisoned with NaN (or, where NaN is expected, 0.5) before the run; inputs are fresh
 random data.
@@ -123,7 +126,7 @@ GLUON_SHAPES = [  # (B, H, Hkv, Nq, Nk)
     (2, 4, 4, 1, 16),
     (1, 8, 2, 113, 4224),
     (1, 4, 1, 203, 800),
-    (2, 4, 4, 799, 208),
+    (2, 4, 2, 799, 208),
     (1, 4, 2, 1023, 1024),
     (1, 2, 1, 4224, 112),
 ]
@@ -150,17 +153,17 @@ def test_dispatch_picks_gluon_where_it_applies():
     from fp4_inductor import kernels
 
     assert kernels.GLUON_MIN_KEYS[False] == 4096
-    for nk, bias_kind, gluon in ((4096, None, True), (4080, None, False), (4000, None, False),
-                                 (4096, "keypad", False)):
-        ops, bias = _inputs(1, 4, 2, 512, nk, 128, "direct", bias_kind)
+    for n, bias_kind, gluon in ((4096, None, True), (4080, None, False), (4104, None, False),
+                                (4096, "keypad", False)):
+        ops, bias = _inputs(1, 2, 1, n, n, 128, "direct", bias_kind)
         dev = [t.cuda() for t in ops]
-        out = torch.full((1, 512, 4, 128), float("nan"), device="cuda").transpose(1, 2)
-        lse, row_ref = (torch.full((1, 4, 512), float("nan"), device="cuda") for _ in range(2))
+        out = torch.full((1, n, 2, 128), float("nan"), device="cuda").transpose(1, 2)
+        lse, row_ref = (torch.full((1, 2, n), float("nan"), device="cuda") for _ in range(2))
         kernels.forward_kernel(dev[0], "direct")(*dev, None if bias is None else bias.cuda(), False, "direct",
                                                  out, lse, row_ref)
         ref_o, ref_l, _ = R.attention_forward(*ops, bias, False, "direct", torch.float32)
         lse_err = (lse.cpu() - ref_l).abs().max().item()
-        assert (lse_err > TOL["direct"][2]) == gluon, (nk, bias_kind, lse_err)
+        assert (lse_err > TOL["direct"][2]) == gluon, (n, bias_kind, lse_err)
         assert lse_err <= GLUON_LSE_TOL
 
 
@@ -172,17 +175,38 @@ def test_dense_bias(p_mode):
     _check(_run_kernel(ops, bias, True, p_mode), ref, p_mode)
 
 
+@pytest.mark.parametrize("kernel,nk", [("triton", 1023), ("gluon", 1024)])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
-def test_low_precision_output(out_dtype):
+def test_low_precision_output(out_dtype, kernel, nk):
     """bf16/fp16 outputs: within one rounding of the output type of the reference."""
-    ops, bias = _inputs(2, 4, 2, 1023, 1023, 128, "direct")
+    ops, bias = _inputs(2, 4, 2, 1023, nk, 128, "direct")
     ref_o, ref_l, ref_r = R.attention_forward(*ops, bias, False, "direct", torch.float32)
-    out, lse, row_ref = _run_kernel(ops, bias, False, "direct", out_dtype=out_dtype)
+    out, lse, row_ref = _run_kernel(ops, bias, False, "direct", out_dtype=out_dtype, kernel=kernel)
     assert out.dtype == out_dtype and not out.isnan().any()
     # One rounding to the output type (eps/2 relative) on top of the float32 tolerance.
     eps = torch.finfo(out_dtype).eps
     assert ((out.float() - ref_o).abs() <= eps * ref_o.abs() + TOL["direct"][1] * ref_o.abs().max()).all()
-    assert (lse - ref_l).abs().max() <= TOL["direct"][2] and torch.equal(row_ref, ref_r)
+    lse_tol = GLUON_LSE_TOL if kernel == "gluon" else TOL["direct"][2]
+    assert (lse - ref_l).abs().max() <= lse_tol and torch.equal(row_ref, ref_r)
+
+
+def test_gluon_row_sums_with_a_sink_key():
+    """One dominant key per row (an attention sink) next to many small probabilities: the
+    tensor cores' fp8 accumulation of the row sums loses the most here.  The output holds
+    the reference's tolerance; the LSE bound is the kernel's documented weak spot and is
+    recorded in the failure message when exceeded."""
+    b, h, n, d = 1, 4, 4096, 128
+    sink = torch.nn.functional.normalize(torch.randn(b, h, 1, d), dim=-1)
+    q = torch.randn(b, h, n, d) + 3 * sink
+    k, v = torch.randn(b, h, n, d), torch.randn(b, h, n, d)
+    k[:, :, 0] = 35 * sink[:, :, 0]  # key 0 takes about half of each row's mass
+    ops = F.quantize_inputs(q, k, v, d ** -0.5, "fp8")
+    ref = R.attention_forward(*ops, None, False, "direct", torch.float32)
+    out, lse, row_ref = _run_kernel(ops, None, False, "direct", kernel="gluon")
+    assert torch.equal(row_ref, ref[2])
+    rel = ((out.double() - ref[0].double()).norm() / ref[0].double().norm()).item()
+    assert rel <= TOL["direct"][0], rel
+    assert (lse - ref[1]).abs().max().item() <= 1e-2, (lse - ref[1]).abs().max().item()
 
 
 def test_load_paths_agree():
@@ -202,11 +226,11 @@ def test_tile_configs_agree(config):
     _check(_run_kernel(ops, bias, True, "direct", config=config), ref, "direct")
 
 
-@pytest.mark.parametrize("kernel", ["triton", "gluon"])
+@pytest.mark.parametrize("kernel,n", [("triton", 300), ("gluon", 304)])
 @pytest.mark.parametrize("where", ["q", "k", "v"])
-def test_nan_propagates_like_reference(where, kernel):
+def test_nan_propagates_like_reference(where, kernel, n):
     """NaN in an input reaches the same outputs as in the reference (via the scales)."""
-    b, h, hkv, n, d = 1, 4, 2, 304, 64
+    b, h, hkv, d = 1, 4, 2, 64
     q, k, v = torch.randn(b, h, n, d), torch.randn(b, hkv, n, d), torch.randn(b, hkv, n, d)
     {"q": q, "k": k, "v": v}[where][0, 0, 137, 5] = float("nan")
     ops = F.quantize_inputs(q, k, v, d ** -0.5, "fp8")
@@ -225,10 +249,10 @@ def test_nan_propagates_like_reference(where, kernel):
         assert err <= TOL["direct"][1] * ref_o[ok].abs().max().item(), err
 
 
-@pytest.mark.parametrize("p_mode,kernel", [(m, "triton") for m in F.P_MODES] + [("direct", "gluon")])
-def test_large_scores_do_not_overflow(p_mode, kernel):
+@pytest.mark.parametrize("p_mode,kernel,n", [(m, "triton", 257) for m in F.P_MODES] + [("direct", "gluon", 272)])
+def test_large_scores_do_not_overflow(p_mode, kernel, n):
     """Scores of 1e4 and more: finite and equal to the reference (no exp2 overflow)."""
-    b, h, n, d = 1, 2, 272, 128
+    b, h, d = 1, 2, 128
     base = torch.randn(1, 1, 1, d)
     q = base * 100 + torch.randn(b, h, n, d)
     k = base * 100 + torch.randn(b, h, n, d) * 8  # smoothing removes the shared part of K

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import importlib
 import os
+import warnings
 
 import torch
 
@@ -66,22 +67,29 @@ def forward_kernel(q: torch.Tensor, p_mode: str):
     return _forward if _module("triton", "attention_fwd") is not None else None
 
 
-# Key lengths (by causal) from which the Gluon kernel beat the Triton one at D = 64 and 128
-# on the H200 in P mode direct (benchmarks/results/forward_h200.json): it runs one program
-# of 128 query rows per SM, whose pipeline fill and drain weigh on rows of few key tiles.
-# Its exp mode (the Direct-P ablation) measured slower than the Triton kernel's: exp calls
-# stay on Triton.
+# Lengths (by causal) from which the Gluon kernel beat the Triton one at D = 64 and 128 on
+# the H200 in P mode direct, measured with as many queries as keys
+# (benchmarks/results/forward_h200.json): it runs one program of 128 query rows per SM,
+# whose pipeline fill and drain weigh on rows of few key tiles; with fewer queries
+# (decode, chunked prefill) it is unmeasured, so those calls stay on Triton.  Its exp mode
+# (the Direct-P ablation) measured slower than the Triton kernel's: exp stays on Triton.
 GLUON_MIN_KEYS = {False: 4096, True: 8192}
+_gluon_failed = False
 
 
 def _forward(q, k, v_t, q_scale, k_scale, v_scale, bias, causal, p_mode, out, lse, row_ref):
-    gluon = _module("gluon", "attention_fwd")
-    if gluon is not None and p_mode == "direct" and k.shape[2] >= GLUON_MIN_KEYS[bool(causal)] \
+    global _gluon_failed
+    args = (q, k, v_t, q_scale, k_scale, v_scale, bias, causal, p_mode, out, lse, row_ref)
+    gluon = None if _gluon_failed else _module("gluon", "attention_fwd")
+    if gluon is not None and p_mode == "direct" and min(q.shape[2], k.shape[2]) >= GLUON_MIN_KEYS[bool(causal)] \
             and gluon.supports(q, k, v_t, q_scale, bias, p_mode, lse, row_ref):
-        return gluon.attention_forward(q, k, v_t, q_scale, k_scale, v_scale, bias, causal, p_mode, out, lse,
-                                       row_ref)
-    return _module("triton", "attention_fwd").attention_forward(q, k, v_t, q_scale, k_scale, v_scale, bias,
-                                                                causal, p_mode, out, lse, row_ref)
+        try:
+            return gluon.attention_forward(*args)
+        except Exception as err:  # Gluon is experimental: an API change fails at compile time
+            _gluon_failed = True
+            warnings.warn(f"fp4attn Gluon forward kernel failed ({err!r}); using the Triton kernel",
+                          RuntimeWarning, stacklevel=2)
+    return _module("triton", "attention_fwd").attention_forward(*args)
 
 
 def backward_kernel(q: torch.Tensor, p_mode: str):

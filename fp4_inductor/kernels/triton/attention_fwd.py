@@ -390,6 +390,9 @@ def attention_forward(q, k, v_t, q_scale, k_scale, v_scale, bias, causal, p_mode
         raise ValueError("attention over zero keys")
     if row_ref.stride() != lse.stride():
         raise ValueError("lse and row_ref must share strides")
+    if max(q.numel(), k.numel(), v_t.numel(), out.numel()) >= 2**31 or b * h >= 65536:
+        # 32-bit element offsets; the grid's second dimension holds B * H
+        raise ValueError(f"too large for this kernel: B*H={b * h}, {max(q.numel(), out.numel())} elements")
     q_scale, k_scale, v_scale = (s.float() for s in (q_scale, k_scale, v_scale))
 
     bias_mode, bias_strides, bias_arg = 0, (0, 0, 0, 0), q_scale  # bias_arg never read when mode 0
