@@ -28,25 +28,26 @@ from fp4_inductor import formats as F  # noqa: E402
 from fp4_inductor.attention import lowp_attention  # noqa: E402
 
 
+def _exact_do(do, lse, row_ref, p_mode):
+    """dO times the row factor, unquantized (the reference consumes ``codes.float() *
+    scale``; a unit scale carries the values)."""
+    dof = do.float() * F.backward_row_factor(lse, row_ref, p_mode)[..., None]
+    return dof, torch.ones(dof.shape[:2])
+
+
 def _scaled_do(dtype, fmax, rows):
     """dO times the row factor in ``dtype``, one amax scale per ``rows`` token rows (None:
-    per head), returned dequantized (the reference consumes ``codes.float() * scale``; a
-    unit scale carries the values)."""
+    per head), returned dequantized with a unit scale."""
 
     def quantize_do(do, lse, row_ref, p_mode):
-        dof = do.float() * F.backward_row_factor(lse, row_ref, p_mode)[..., None]
+        dof, unit = _exact_do(do, lse, row_ref, p_mode)
         n = dof.shape[-2]
         blocks = dof.unflatten(-2, (-1, rows)) if rows else dof.unsqueeze(-3)
         scale = F._amax_scale(blocks.abs().amax(dim=(-2, -1), keepdim=True), fmax)
-        values = ((blocks / scale).clamp(-fmax, fmax).to(dtype).float() * scale).flatten(-3, -2)
-        return values[..., :n, :], torch.ones(values.shape[:2])
+        values = (F._cast(blocks / scale, dtype, fmax).float() * scale).flatten(-3, -2)
+        return values[..., :n, :], unit
 
     return quantize_do
-
-
-def _exact_do(do, lse, row_ref, p_mode):
-    dof = do.float() * F.backward_row_factor(lse, row_ref, p_mode)[..., None]
-    return dof, torch.ones(dof.shape[:2])
 
 
 VARIANTS = {  # name: (DS_TILE, quantize_do); None keeps the shipped one

@@ -184,8 +184,8 @@ class AnalyticModel:
     attention is credited with 70 % of the BF16 tensor-core peak (the best measured on
     the H200: cuDNN and FA4 at 0.66-0.70), while the low-precision path pays its 8-bit
     matrix time, its softmax issue time and twice the byte floor of its quantization
-    pass, with no overlap between them (the Triton kernel overlaps some; on the H200
-    this model predicts 1.09x at N = 16k, D = 128, where 1.15x was measured).
+    pass, with no overlap between them (the kernels overlap them; on the H200 this model
+    predicts 1.08x at N = 16k, D = 128, where the measured table gives 1.22x).
     The fp8 forward only: no backward, no fp4 model.
     """
 

@@ -2,8 +2,8 @@
 
 The rewrite happens on the torch-level graph, before AOTAutograd: the replacement is a
 call of ``attention.lowp_attention``, which AOTAutograd traces into the ``fp4attn``
-ops (quantize, fwd) and whose autograd gives training the FP8 backward.  Matchers start at SDPA and softmax nodes and walk producers, so symbolic
-shapes do not stop them.
+ops (quantize, fwd) and whose autograd gives training the FP8 backward.  Matchers start
+at SDPA and softmax nodes and walk producers, so symbolic shapes do not stop them.
 """
 
 from __future__ import annotations

@@ -24,10 +24,10 @@ key per tile (attention sinks) lose more.  P codes, row references and the outpu
 (within the reference's tolerance) are unchanged.
 
 Scope (``supports``): P mode ``direct`` or ``exp`` (the ablation: exp2 on the MUFU and
-the convert instruction, in the same kernel structure), no bias, D in {64, 128}, Nk a multiple of 16
-(TMA needs the V^T rows 16-byte aligned and K in whole 16-key chunks), contiguous
-operands; causal (top-left, as SDPA) or not; GQA/MQA.  Everything else runs the Triton
-kernel.
+the convert instruction, in the same kernel structure), no bias, D in {64, 128}, Nk a
+multiple of 16 (TMA needs the V^T rows 16-byte aligned and K in whole 16-key chunks),
+contiguous operands; causal (top-left, as SDPA) or not; GQA/MQA.  Which calls it gets
+is decided in ``kernels.forward_kernel``; the rest run the Triton kernel.
 """
 
 from __future__ import annotations
@@ -48,6 +48,10 @@ BM_WG = 64  # query rows per consumer warpgroup (two per program)
 ONES_N = gl.constexpr(8)  # the narrowest wgmma: P times [BN, 8] ones gives each row's sum 8 times
 E4M3_ONE = gl.constexpr(0x38)
 NUM_STAGES = 2  # K/V ring depth: 3 measured no faster on the H200 (docs/perf-notes.md)
+# Registers: setmaxnreg values of the worker partitions (the second consumer warpgroup,
+# the producer), and the launch's cap per thread (12 warps share the register file).
+_REGS = dict(CONSUMER_REGS=240, PRODUCER_REGS=24)
+_LAUNCH = dict(num_warps=4, maxnreg=168)
 
 
 @gluon.jit
@@ -250,8 +254,8 @@ def _producer(q_desc, k_desc, v_desc, smem, bars, bh, start_m, kv_head, n_tiles,
         mbarrier.wait(k_empty.index(s), phase ^ 1)  # a fresh barrier counts as released
         mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
         # K in 16-key chunks of all heads in a row (NK % 16 == 0), see _key_order
-        tma.async_copy_global_to_shared(k_desc, [kv_head * (NK // 16) + j * (BN // 16), 0, 0, 0, 0], k_ready.index(s),
-                                        k_bufs.index(s))
+        tma.async_copy_global_to_shared(k_desc, [kv_head * (NK // 16) + j * (BN // 16), 0, 0, 0, 0],
+                                        k_ready.index(s), k_bufs.index(s))
         mbarrier.wait(v_empty.index(s), phase ^ 1)
         mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(v_desc, [kv_head, 0, j * BN], v_ready.index(s), v_bufs.index(s))
@@ -338,6 +342,11 @@ def _layout(block, dtype):
     return gl.NVMMASharedLayout.get_default_for(block, dtype)
 
 
+def _constexprs(d: int, causal: bool, p_mode: str) -> dict:
+    return dict(HEAD_DIM=d, BN=BLOCK_N, STAGES=NUM_STAGES, CAUSAL=bool(causal), EXP=p_mode == "exp",
+                LIFT=F.p_lift(p_mode), **_REGS)
+
+
 def attention_forward(q, k, v_t, q_scale, k_scale, v_scale, bias, causal, p_mode, out, lse, row_ref):
     """The Triton launcher's contract, for the calls ``supports`` accepts."""
     assert supports(q, k, v_t, q_scale, bias, p_mode, lse, row_ref)
@@ -353,8 +362,7 @@ def attention_forward(q, k, v_t, q_scale, k_scale, v_scale, bias, causal, p_mode
     _fwd_ws[(triton.cdiv(nq, 2 * BM_WG), b * h)](
         q_desc, k_desc, v_desc, q_scale.float(), k_scale, v_scale, out, lse, row_ref,
         *out.stride(), lse.stride(1), lse.stride(2), k_scale.stride(0), h, h // hkv, nq, nk,
-        HEAD_DIM=d, BN=BLOCK_N, STAGES=NUM_STAGES, CAUSAL=bool(causal), EXP=p_mode == "exp",
-        LIFT=F.p_lift(p_mode), CONSUMER_REGS=240, PRODUCER_REGS=24, num_warps=4, maxnreg=168)
+        **_constexprs(d, causal, p_mode), **_LAUNCH)
 
 
 def compile_for_sm90(d: int, causal: bool, p_mode: str = "direct"):
@@ -368,10 +376,8 @@ def compile_for_sm90(d: int, causal: bool, p_mode: str = "direct"):
     sig = {"q_desc": desc("i8", [1, BM_WG, d], gl.int8), "k_desc": desc("i8", [BLOCK_N // 16, 2, 4, 2, d], gl.int8),
            "v_desc": desc("fp8e4nv", [1, d, BLOCK_N], gl.float8e4nv), "qs_ptr": "*fp32", "ks_ptr": "*fp32",
            "vs_ptr": "*fp32", "out_ptr": "*bf16", "lse_ptr": "*fp32", "ref_ptr": "*fp32"}
-    consts = dict(HEAD_DIM=d, BN=BLOCK_N, STAGES=NUM_STAGES, CAUSAL=causal, EXP=p_mode == "exp",
-                  LIFT=F.p_lift(p_mode), CONSUMER_REGS=240,
-                  PRODUCER_REGS=24)
+    consts = _constexprs(d, causal, p_mode)
     for name in _fwd_ws.arg_names:
         sig.setdefault(name, "constexpr" if name in consts else "i32")
     src = GluonASTSource(_fwd_ws, sig, constexprs=consts)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, maxnreg=168))
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=_LAUNCH)
