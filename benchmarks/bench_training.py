@@ -4,8 +4,11 @@
 
 FlashAttention-3's grid (B * N = 16384, H * D = 2048), causal.  Rows, timed in the same
 run (triton do_bench medians):
-  - ours: ``lowp_attention`` with the Triton backward kernel (FP4ATTN_BWD_KERNEL=1), the
-    quantization of Q/K/V and dO included, as a training step runs it;
+  - ours: ``lowp_attention`` with the backward kernels (FP4ATTN_BWD_KERNEL=1), the
+    quantization of Q/K/V and dO included, eagerly ("ours-direct": dO's quantization and
+    the backward's other preparation run as separate aten kernels) and under
+    ``torch.compile`` ("ours-direct-compiled": Inductor fuses that preparation, as in a
+    model compiled with ``backend="fp4attn"``);
   - torch SDPA BF16 on the cuDNN and flash backends, FlashAttention-4 BF16 (flash_attn.cute);
   - cuDNN FP8 (cudnn frontend sdpa_fp8 with stats + sdpa_fp8_backward): E4M3 Q/K/V/O/dO
     cast plainly, E4M3 gradients, and the usual delayed scaling (a first step with unit
@@ -173,6 +176,8 @@ def _cudnn_fp8():
 def methods():
     return {
         "ours-direct": _autograd(lambda q, k, v: lowp_attention(q, k, v, is_causal=True)),
+        "ours-direct-compiled": _autograd(torch.compile(lambda q, k, v: lowp_attention(q, k, v, is_causal=True),
+                                                        fullgraph=True, dynamic=False)),
         "sdpa-cudnn-bf16": _sdpa("CUDNN_ATTENTION"),
         "sdpa-flash-bf16": _sdpa("FLASH_ATTENTION"),
         "fa4-bf16": _fa4(),

@@ -20,7 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from fp4_inductor import policy  # noqa: E402
 PATHS = {"fp8": ["ours-direct+quant"], "fp4": ["ours-fp4+quant"], "bf16": ["sdpa-cudnn-bf16", "sdpa-flash-bf16"]}
-TRAINING_PATHS = {"fp8": ["ours-direct"], "bf16": ["sdpa-cudnn-bf16", "sdpa-flash-bf16"]}
+TRAINING_PATHS = {"fp8": ["ours-direct-compiled"], "bf16": ["sdpa-cudnn-bf16", "sdpa-flash-bf16"]}
 # Fixed cost of the low-precision path's extra kernels (quantization of Q, K, V and K's
 # mean) at shapes too small to fill the GPU: about five launches of ~3 us.
 LAUNCH_US = 15.0

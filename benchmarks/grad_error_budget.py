@@ -5,7 +5,7 @@ emulation: the kernels compute the same numbers).
 
 Gradients of ``lowp_attention`` (causal, Gaussian inputs) against float64 autograd of
 exact attention, rel-L2 of dQ, dK, dV, for variants of two format choices the issue
-leaves open: the dS scale block (``formats.DS_TILE``) and dO's format and scale
+leaves open: the dS scale blocks (``formats.DS_TILE_DQ`` and ``DS_TILE_DK``) and dO's format and scale
 granularity (``formats.quantize_do``).  Variants patch ``formats`` for the duration of a
 run; the shipped formats are the first row.  Writes grad_error_budget.json into
 --out-dir (default benchmarks/results).
@@ -50,8 +50,9 @@ def _scaled_do(dtype, fmax, rows):
     return quantize_do
 
 
-VARIANTS = {  # name: (DS_TILE, quantize_do); None keeps the shipped one
-    "shipped: dS 128x128, dO E5M2 per head": (None, None),
+VARIANTS = {  # name: (dS tile of both products, quantize_do); None keeps the shipped one
+    "shipped: dS 64x128 (dQ) and 128x128 (dK), dO E5M2 per head": (None, None),
+    "dS 128x128": ((128, 128), None),
     "dS 64x64": ((64, 64), None),
     "dS 32x32": ((32, 32), None),
     "dO E5M2 per 128 rows": (None, _scaled_do(F.E5M2, F.E5M2_MAX, 128)),
@@ -67,13 +68,14 @@ VARIANTS = {  # name: (DS_TILE, quantize_do); None keeps the shipped one
 
 @contextlib.contextmanager
 def patched(ds_tile, quantize_do):
-    saved = F.DS_TILE, F.quantize_do
-    F.DS_TILE = ds_tile or F.DS_TILE
+    saved = F.DS_TILE_DQ, F.DS_TILE_DK, F.quantize_do
+    if ds_tile:
+        F.DS_TILE_DQ = F.DS_TILE_DK = ds_tile
     F.quantize_do = quantize_do or F.quantize_do
     try:
         yield
     finally:
-        F.DS_TILE, F.quantize_do = saved
+        F.DS_TILE_DQ, F.DS_TILE_DK, F.quantize_do = saved
 
 
 def gradients(fn, inputs, dout):

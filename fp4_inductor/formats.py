@@ -52,9 +52,13 @@ E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 # Midpoints between neighbouring E2M1 magnitudes; a value exactly on one rounds down.
 E2M1_BOUNDARIES = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 
-# dS is quantized with one scale per (query tile, key tile) of this shape, so the scale
-# factors out of both dQ = dS K and dK = dS^T Q.
-DS_TILE = (128, 128)
+# dS is quantized with one amax scale per (queries, keys) tile, so that the scale factors
+# out of the product that consumes it.  dQ = dS Ke and dK = dS^T Qe run in separate
+# kernels, each quantizing the dS it computes over its own query tile: 64 rows for dQ
+# (one consumer warpgroup's tile in the Gluon kernel), 128 for dK.  The tile shape does not
+# change the gradient error (benchmarks/grad_error_budget.py).
+DS_TILE_DQ = (64, 128)
+DS_TILE_DK = (128, 128)
 
 
 def p_lift(p_mode: str) -> float:

@@ -105,9 +105,10 @@ def attention_forward(
     return out.to(out_dtype), lse.squeeze(-1), m.squeeze(-1)
 
 
-def _quantize_ds_tiles(ds: torch.Tensor) -> torch.Tensor:
-    """dS rounded to E4M3 with one amax scale per ``DS_TILE`` (returned dequantized)."""
-    tm, tn = F.DS_TILE
+def quantize_ds_tiles(ds: torch.Tensor, tile: tuple[int, int]) -> torch.Tensor:
+    """dS rounded to E4M3 with one amax scale per ``tile`` (``formats.DS_TILE_DQ`` or
+    ``DS_TILE_DK``) from element 0, returned dequantized."""
+    tm, tn = tile
     nq, nk = ds.shape[-2:]
     pm, pn = (-nq) % tm, (-nk) % tn
     x = torch.nn.functional.pad(ds, (0, pn, 0, pm))
@@ -148,16 +149,18 @@ def attention_backward(
     k = _heads(F.dequantize_blockwise(ke, ke_scale), h)
     q = F.dequantize_blockwise(qe, qe_scale)
     r = row_ref.float()
-    # One DS_TILE row block at a time: memory grows with N, not N**2, and the dS tiles
-    # stay aligned at 0 as the kernels' are.
+    # One dK tile's rows at a time (a whole number of dQ tiles): memory grows with N, not
+    # N**2, and the dS tiles stay aligned at 0 as the kernels' are.
+    step = F.DS_TILE_DK[0]
+    assert step % F.DS_TILE_DQ[0] == 0 and F.DS_TILE_DK[1] == F.DS_TILE_DQ[1]
     dq, dk, dv = [], 0.0, 0.0
-    for start in range(0, nq, F.DS_TILE[0]):
-        rows = slice(start, min(start + F.DS_TILE[0], nq))
+    for start in range(0, nq, step):
+        rows = slice(start, min(start + step, nq))
         x = log2_scores(q8, k8, q_scale, k_scale, bias, causal, slice(0, nk), rows)
         p = _probability(x, r[..., rows, None], p_mode)
-        ds = _quantize_ds_tiles(p * (do[..., rows, :] @ v.transpose(-1, -2) - delta[..., rows, None]))
-        dq.append(ds @ k)
-        dk = dk + ds.transpose(-1, -2) @ q[..., rows, :]
+        ds = p * (do[..., rows, :] @ v.transpose(-1, -2) - delta[..., rows, None])
+        dq.append(quantize_ds_tiles(ds, F.DS_TILE_DQ) @ k)
+        dk = dk + quantize_ds_tiles(ds, F.DS_TILE_DK).transpose(-1, -2) @ q[..., rows, :]
         dv = dv + p.transpose(-1, -2) @ do[..., rows, :]
     dq = torch.cat(dq, dim=-2)
     return dq.to(out_dtype), _group_sum(dk, hkv).to(out_dtype), _group_sum(dv, hkv).to(out_dtype)

@@ -93,12 +93,44 @@ def _forward(q, k, v_t, q_scale, k_scale, v_scale, bias, causal, p_mode, out, ls
 
 
 def backward_kernel(q: torch.Tensor, p_mode: str):
-    """The Triton sm_90 backward launcher, under the forward's conditions, else None.
+    """The sm_90 backward launcher, under the forward's conditions, else None: the Triton
+    dK/dV kernel, and for dQ the warp-specialised Gluon kernel where it covers the call
+    (``kernels.gluon.attention_bwd_dq.supports``), the Triton dQ kernel otherwise.
 
     Opt-in (``FP4ATTN_BWD_KERNEL=1``): its GPU tests pass against the reference on the H200,
-    but at 27-183 TFLOP/s (causal fwd+bwd, D=128) it is 0.10-0.31x FlashAttention-4
-    (benchmarks/results/training_h200.json), so BF16 SDPA is the faster choice.
+    but at 27-183 TFLOP/s (causal fwd+bwd, D=128, Triton dQ) it was 0.10-0.31x
+    FlashAttention-4 (benchmarks/results/training_h200.json), so BF16 SDPA is the faster
+    choice.
     """
     if os.environ.get("FP4ATTN_BWD_KERNEL", "0") != "1" or not _applies(q) or p_mode not in P_MODES:
         return None
-    return _triton_launcher("attention_bwd", "attention_backward")
+    return _backward if _module("triton", "attention_bwd") is not None else None
+
+
+_gluon_dq_failed = False
+
+
+def _gluon_dq(do, do_scale, delta, q, k, v, q_scale, k_scale, v_scale, ke_t, ke_scale, row_ref, causal, dq,
+              bias, p_mode) -> bool:
+    """dQ by the Gluon kernel where it applies; False leaves it to the Triton kernel."""
+    global _gluon_dq_failed
+    gluon = None if _gluon_dq_failed else _module("gluon", "attention_bwd_dq")
+    if gluon is None or not gluon.supports(do, delta, q, k, v, q_scale, ke_t, k_scale, ke_scale, row_ref, bias,
+                                           p_mode, dq):
+        return False
+    try:
+        gluon.dq_backward(do, do_scale, delta, q, k, v, q_scale, k_scale, v_scale, ke_t, ke_scale, row_ref, causal,
+                          dq)
+        return True
+    except Exception as err:  # Gluon is experimental: an API change fails at compile time
+        _gluon_dq_failed = True
+        warnings.warn(f"fp4attn Gluon dQ kernel failed ({err!r}); using the Triton kernel", RuntimeWarning,
+                      stacklevel=2)
+        return False
+
+
+def _backward(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale, qe, qe_scale, ke, ke_scale, bias, row_ref,
+              causal, p_mode, dq, dk, dv):
+    _module("triton", "attention_bwd").attention_backward(
+        do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale, qe, qe_scale, ke, ke_scale, bias, row_ref, causal,
+        p_mode, dq, dk, dv, dq_kernel=functools.partial(_gluon_dq, bias=bias, p_mode=p_mode))

@@ -1,7 +1,8 @@
 """Hopper (sm_90) backward attention in Triton: INT8 score recompute, FP8 gradient products.
 
-Computes what ``reference.attention_backward`` specifies.  Per (128 keys x 128 queries)
-tile, which is both a K scale block and one ``formats.DS_TILE``:
+Computes what ``reference.attention_backward`` specifies.  Per tile of 128 keys (a K scale
+block) and 128 queries (dK/dV kernel, ``formats.DS_TILE_DK``) or 64 (dQ kernel,
+``formats.DS_TILE_DQ``):
   x = int8 q.k * (q_scale * log2e * k_scale) [+ bias], masked     (exact int32 products)
   p = formats.probability_operand(x, r)  (r: the forward's row reference; bit-identical codes)
   dP = (E5M2 dO . E4M3 V^T) * do_scale * v_scale
@@ -18,8 +19,10 @@ Work split (FlashAttention-2 style, two kernels, no atomics):
 The dQ kernel recomputes S and dP (two of the five products again) instead of adding dQ
 with fp32 atomics: no zeroed fp32 workspace, no conversion pass, deterministic results,
 and lower register pressure than holding dK, dV and a dQ tile at once.  Both kernels
-compute the tile with the same helper, operand order and tile shape, so they derive the
-same dS codes.
+compute a tile with the same helper; each quantizes dS over its own query tile, so dQ
+and dK consume dS with different scale blocks (as the reference specifies).  Where it
+applies, ``kernels.gluon.attention_bwd_dq`` computes dQ instead of ``_bwd_dq_kernel``
+(the ``dq_kernel`` argument), with the same numbers.
 
 Tiles are computed transposed ([keys, queries]) so that P^T and dS^T, the A operands of
 dV and dK, come straight from registers.  8-bit wgmma wants both shared-memory operands
@@ -54,10 +57,11 @@ from ... import formats as F
 from .common import e2m1_round, max_propagate_nan
 
 _P_MODE_ID = {"direct": 0, "exp": 1, "fp4": 2}
-# Key tile = K scale block = dS tile width; query tile = Qe scale block = dS tile height.
+# Key tile = K scale block = dS tile width; query tile = each kernel's dS tile height (for
+# dK/dV also the Qe scale block).
 BLOCK_N = F.KEY_TILE
-BLOCK_M = F.DS_TILE[0]
-assert (BLOCK_M, BLOCK_N) == F.DS_TILE and F.KEY_TILE == F.SCALE_BLOCK == 128
+BLOCK_M_DK, BLOCK_M_DQ = F.DS_TILE_DK[0], F.DS_TILE_DQ[0]
+assert F.DS_TILE_DK[1] == F.DS_TILE_DQ[1] == BLOCK_N == F.KEY_TILE == F.SCALE_BLOCK == BLOCK_M_DK == 128
 
 
 @triton.jit
@@ -359,9 +363,12 @@ def _token_major(x: torch.Tensor) -> torch.Tensor:
 
 def attention_backward(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale, qe, qe_scale, ke, ke_scale,
                        bias, row_ref, causal, p_mode, dq, dk, dv, config=None, debug=None, emulate=None,
-                       options=None):
+                       options=None, dq_kernel=None):
     """Launch both backward kernels into the preallocated ``dq`` [B, H, Nq, D] and ``dk``,
     ``dv`` [B, Hkv, Nk, D] (any strides).  Arguments as ``reference.attention_backward``.
+    ``dq_kernel(do, do_scale, delta, q, k, v, q_scale, k_scale, v_scale, ke_t, ke_scale,
+    row_ref, causal, dq)`` (``v`` row-major, ``ke_t`` token-major) computes dQ in place of
+    the Triton dQ kernel when it returns True.
     ``config`` overrides CONFIG; ``debug`` = (p, ds, ds2) float32 [B, H, Nq, Nk] buffers
     receive P, the dequantized dS of the dK/dV kernel and that of the dQ kernel, and an
     optional fourth dP (tests).  ``emulate=True`` runs the float32 emulation of the 8-bit
@@ -398,7 +405,7 @@ def attention_backward(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale
     dbg = debug if debug is not None else (row_ref,) * 4
     if debug is not None:
         assert all(t.is_contiguous() and t.shape == (b, h, nq, nk) and t.dtype == torch.float32 for t in debug)
-    consts = dict(HEAD_DIM=d, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, P_MODE=_P_MODE_ID[p_mode], CAUSAL=bool(causal),
+    consts = dict(HEAD_DIM=d, BLOCK_N=BLOCK_N, P_MODE=_P_MODE_ID[p_mode], CAUSAL=bool(causal),
                   HAS_BIAS=has_bias, EMULATE=_emulate() if emulate is None else emulate, DEBUG=debug is not None,
                   **OPTIONS)
     consts.update(options or {})
@@ -412,13 +419,16 @@ def attention_backward(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale
         *do.stride(), *do_t.stride(), *do_scale.stride(), *delta.stride(), *q.stride(), *k.stride(), *v.stride(),
         *q_scale.stride(), *k_scale.stride(), *v_scale.stride(), *qe_t.stride(), *qe_scale.stride(),
         *common_tail, *dk.stride(), *dv.stride(),
-        h, hkv, h // hkv, nq, nk, **consts, num_warps=warps, num_stages=stages,
+        h, hkv, h // hkv, nq, nk, BLOCK_M=BLOCK_M_DK, **consts, num_warps=warps, num_stages=stages,
     )
+    if dq_kernel is not None and dq_kernel(do, do_scale, delta, q, k, v, q_scale, k_scale, v_scale, ke_t, ke_scale,
+                                           row_ref, causal, dq):
+        return
     warps, stages = cfg["dq"]
-    _bwd_dq_kernel[(triton.cdiv(nq, BLOCK_M), b * h)](
+    _bwd_dq_kernel[(triton.cdiv(nq, BLOCK_M_DQ), b * h)](
         do, do_scale, delta, q, k, v, q_scale, k_scale, v_scale, ke_t, ke_scale, bias_arg, row_ref, dq, dbg[2],
         *do.stride(), *do_scale.stride(), *delta.stride(), *q.stride(), *k.stride(), *v.stride(),
         *q_scale.stride(), *k_scale.stride(), *v_scale.stride(), *ke_t.stride(), *ke_scale.stride(),
         *common_tail, *dq.stride(),
-        h, hkv, h // hkv, nq, nk, **consts, num_warps=warps, num_stages=stages,
+        h, hkv, h // hkv, nq, nk, BLOCK_M=BLOCK_M_DQ, **consts, num_warps=warps, num_stages=stages,
     )

@@ -1,0 +1,324 @@
+"""Warp-specialised Hopper (sm_90) dQ kernel in Gluon, P mode ``direct``.
+
+The dQ half of ``kernels/triton/attention_bwd.py`` in the forward Gluon kernel's structure:
+one program per 128 query rows of one head, a producer warp streaming K and V (rows in the
+P-operand order, as the forward's K) and Keᵀ tiles through a two-stage ring, two consumer
+warpgroups of 64 rows taking turns on the tensor cores.  Per key tile j and warpgroup:
+
+  S = Q·Kᵀ (INT8, exact),  dP = dO·Vᵀ (E5M2 × E4M3),
+  P = Direct-P codes against the forward's row reference,
+  dS = P ∘ (dP·do_scale·v_scale − delta) → E4M3 with the amax scale of its 64×128 tile
+  (``formats.DS_TILE_DQ``, one warpgroup's tile: no exchange between warpgroups),
+  dQ += (dS·Ke)·(ds_scale·ke_scale)  — issued in the next tile's turn, as the forward's P·V.
+
+It computes the numbers of the Triton dQ kernel (bit-identical on the H200) 1.5x (D=128)
+to 1.9x (D=64) faster (docs/perf-notes.md), though at D=128 its key-tile loop spills
+(~146 local-memory accesses per tile: dQ, its in-flight part, S and dP hold 4 x 64
+registers); 64-key tiles would halve S and dP.
+
+Scope (``supports``): P mode direct, no bias, D in {64, 128}, Nk a multiple of 16; Q, K
+and the row vectors contiguous, dO and dQ with any strides TMA accepts.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from ... import formats as F
+from .attention_fwd import _e4m3, _fma_sat, _key_order, _mul_rn, _p_operand
+
+BLOCK_N = F.KEY_TILE
+BM_WG = F.DS_TILE_DQ[0]  # query rows per consumer warpgroup = one dS tile's rows
+assert F.DS_TILE_DQ == (64, BLOCK_N)
+NUM_STAGES = 2
+
+
+@gluon.jit
+def _probability(x, r):
+    """Direct-P values against the row reference ``r`` (the forward's codes), float32."""
+    z = _fma_sat(x, 0.03125, ((120.0 - 8.0 * r) * 0.00390625)[:, None])
+    codes = (z + 32768.0).to(gl.int32, bitcast=True).to(gl.uint8)
+    return codes.to(gl.float8e4nv, bitcast=True).to(gl.float32)
+
+
+@gluon.jit
+def _ds_operand(p, dp, delta, dov_scale):
+    """dS = P ∘ (dP·scale − delta) as E4M3 codes with its tile's amax scale
+    (formats._amax_scale), rounded by the cvt instruction as the forward's exp mode."""
+    ds = p * (dp * dov_scale - delta[:, None])
+    amax = gl.max(gl.max(gl.abs(ds), 1), 0)
+    ds_scale = gl.where(amax == 0.0, 1.0, gl.div_rn(amax, 448.0))
+    inv = gl.div_rn(1.0, ds_scale)
+    ds8 = _e4m3(gl.minimum(gl.maximum(ds * inv, -448.0), 448.0)).to(gl.float8e4nv, bitcast=True)
+    return ds8, ds_scale
+
+
+@gluon.jit
+def _scores(s, row_t, ks_ptr, j, rows, NK, BN: gl.constexpr, CAUSAL: gl.constexpr, MASKED: gl.constexpr):
+    x = _mul_rn(s.to(gl.float32), (row_t * gl.load(ks_ptr + j))[:, None])
+    if MASKED:  # keys past NK and (causal) after the row
+        keys = j * BN + _key_order(BN, gl.SliceLayout(0, s.type.layout))
+        ok = (keys < NK)[None, :]
+        if CAUSAL:
+            ok = ok & (keys[None, :] <= rows[:, None])
+        x = gl.where(ok, x, float("-inf"))
+    return x
+
+
+@gluon.jit
+def _step(j, state, q, do, rows, row_t, r, delta, dov_scale, ks_ptr, kes_ptr, NK, smem, bars,
+          WG: gl.constexpr, HEAD_DIM: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
+          CAUSAL: gl.constexpr, MASKED: gl.constexpr):
+    """Key tile j: S_j and dP_j on the tensor cores with tile j-1's dS·Ke; dS_j; then tile
+    j-1's product joins dQ (two-level accumulation, each tile's scales on its product)."""
+    dq, part, ds8, ds_scale = state
+    q_smem, do_smem, k_bufs, v_bufs, ke_bufs = smem
+    in_bar, kv_ready, kv_empty, ke_ready, ke_empty, turn = bars
+    s_layout: gl.constexpr = ds8.type.layout
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dq.type.layout, k_width=4)
+    stage = j % STAGES
+    prev = (j - 1) % STAGES
+    mbarrier.wait(kv_ready.index(stage), (j // STAGES) & 1)
+    mbarrier.wait(turn.index(WG), j & 1)
+    s = warpgroup_mma(q, k_bufs.index(stage).reshape([BN, HEAD_DIM]).permute((1, 0)),
+                      gl.zeros([BM, BN], gl.int32, s_layout), use_acc=False, is_async=True)
+    dp = warpgroup_mma(do, v_bufs.index(stage).reshape([BN, HEAD_DIM]).permute((1, 0)),
+                       gl.zeros([BM, BN], gl.float32, s_layout), use_acc=False, is_async=True)
+    mbarrier.wait(ke_ready.index(prev), ((j - 1) // STAGES) & 1)
+    part = warpgroup_mma(_p_operand(ds8, a_layout, BM, BN), ke_bufs.index(prev).reshape([HEAD_DIM, BN])
+                         .permute((1, 0)), part, use_acc=False, is_async=True)
+    mbarrier.arrive(turn.index(1 - WG))
+    s, dp = warpgroup_mma_wait(1, deps=(s, dp))
+    mbarrier.arrive(kv_empty.index(stage))
+    p = _probability(_scores(s, row_t, ks_ptr, j, rows, NK, BN, CAUSAL, MASKED), r)
+    ds8_new, ds_scale_new = _ds_operand(p, dp, delta, dov_scale)
+    part = warpgroup_mma_wait(0, deps=(part,))
+    mbarrier.arrive(ke_empty.index(prev))
+    dq = dq + part * (ds_scale * gl.load(kes_ptr + j - 1))
+    return dq, part, ds8_new, ds_scale_new
+
+
+@gluon.jit
+def _consumer(qs_ptr, ks_ptr, kes_ptr, delta_ptr, ref_ptr, dq_ptr, smem, bars, dq_strides,
+              dov_scale, bh, H, start_m, NQ, NK, n_tiles, n_full,
+              WG: gl.constexpr, HEAD_DIM: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+              STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+    q_smem, do_smem, k_bufs, v_bufs, ke_bufs = smem
+    in_bar, kv_ready, kv_empty, ke_ready, ke_empty, turn = bars
+    nw: gl.constexpr = gl.num_warps()
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[nw, 1],
+                                                       instr_shape=[16, BN, 32])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[nw, 1],
+                                                       instr_shape=[16, HEAD_DIM, 32])
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
+
+    rows = start_m + WG * BM + gl.arange(0, BM, row_s)
+    row_ok = rows < NQ
+    row = bh * NQ + rows  # the row vectors are contiguous [B, H, Nq]
+    row_t = gl.load(qs_ptr + row, mask=row_ok, other=0.0) * 1.4426950408889634  # LOG2E, as the reference
+    r = gl.load(ref_ptr + row, mask=row_ok, other=0.0)
+    delta = gl.load(delta_ptr + row, mask=row_ok, other=0.0)
+    q = q_smem.index(WG).reshape([BM, HEAD_DIM])
+    do = do_smem.index(WG).reshape([BM, HEAD_DIM])
+    mbarrier.wait(in_bar, 0)
+
+    # Tile 0: S, dP and dS only; each step j then runs tile j-1's dS·Ke under S_j and dP_j.
+    mbarrier.wait(kv_ready.index(0), 0)
+    mbarrier.wait(turn.index(WG), 0)
+    s = warpgroup_mma(q, k_bufs.index(0).reshape([BN, HEAD_DIM]).permute((1, 0)),
+                      gl.zeros([BM, BN], gl.int32, s_layout), use_acc=False, is_async=True)
+    dp = warpgroup_mma(do, v_bufs.index(0).reshape([BN, HEAD_DIM]).permute((1, 0)),
+                       gl.zeros([BM, BN], gl.float32, s_layout), use_acc=False, is_async=True)
+    mbarrier.arrive(turn.index(1 - WG))
+    s, dp = warpgroup_mma_wait(0, deps=(s, dp))
+    mbarrier.arrive(kv_empty.index(0))
+    p = _probability(_scores(s, row_t, ks_ptr, 0, rows, NK, BN, CAUSAL, True), r)
+    ds8, ds_scale = _ds_operand(p, dp, delta, dov_scale)
+    state = (gl.zeros([BM, HEAD_DIM], gl.float32, o_layout), gl.zeros([BM, HEAD_DIM], gl.float32, o_layout),
+             ds8, ds_scale)
+    for j in range(1, n_full):
+        state = _step(j, state, q, do, rows, row_t, r, delta, dov_scale, ks_ptr, kes_ptr, NK, smem, bars, WG,
+                      HEAD_DIM, BM, BN, STAGES, CAUSAL, False)
+    for j in range(n_full, n_tiles):
+        state = _step(j, state, q, do, rows, row_t, r, delta, dov_scale, ks_ptr, kes_ptr, NK, smem, bars, WG,
+                      HEAD_DIM, BM, BN, STAGES, CAUSAL, True)
+    dq, part, ds8, ds_scale = state
+    last = (n_tiles - 1) % STAGES
+    mbarrier.wait(ke_ready.index(last), ((n_tiles - 1) // STAGES) & 1)
+    part = warpgroup_mma(_p_operand(ds8, a_layout, BM, BN), ke_bufs.index(last).reshape([HEAD_DIM, BN])
+                         .permute((1, 0)), part, use_acc=False, is_async=True)
+    part = warpgroup_mma_wait(0, deps=(part,))
+    mbarrier.arrive(ke_empty.index(last))
+    dq = dq + part * (ds_scale * gl.load(kes_ptr + n_tiles - 1))
+
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    rows_o = start_m + WG * BM + gl.arange(0, BM, row_o)
+    cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, o_layout))
+    # 64-bit: B * stride_b may pass 2**31 elements on long sequences
+    ptrs = (dq_ptr + (bh // H).to(gl.int64) * dq_strides[0] + (bh % H) * dq_strides[1]
+            + rows_o[:, None] * dq_strides[2] + cols[None, :] * dq_strides[3])
+    gl.store(ptrs, dq.to(dq_ptr.dtype.element_ty), mask=(rows_o < NQ)[:, None])
+
+
+@gluon.jit
+def _producer(q_desc, do_desc, k_desc, v_desc, ke_desc, smem, bars, bh, H, start_m, kv_head, n_tiles, NK,
+              BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr):
+    q_smem, do_smem, k_bufs, v_bufs, ke_bufs = smem
+    in_bar, kv_ready, kv_empty, ke_ready, ke_empty, turn = bars
+    mbarrier.expect(in_bar, 2 * q_desc.block_type.nbytes + 2 * do_desc.block_type.nbytes)
+    for w in gl.static_range(2):
+        tma.async_copy_global_to_shared(q_desc, [bh // H, bh % H, start_m + w * BM, 0], in_bar, q_smem.index(w))
+        tma.async_copy_global_to_shared(do_desc, [bh // H, bh % H, start_m + w * BM, 0], in_bar, do_smem.index(w))
+    for j in range(n_tiles):
+        s = j % STAGES
+        phase = (j // STAGES) & 1
+        mbarrier.wait(kv_empty.index(s), phase ^ 1)  # a fresh barrier counts as released
+        mbarrier.expect(kv_ready.index(s), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        chunk = kv_head * (NK // 16) + j * (BN // 16)  # K and V rows in the P-operand order
+        tma.async_copy_global_to_shared(k_desc, [chunk, 0, 0, 0, 0], kv_ready.index(s), k_bufs.index(s))
+        tma.async_copy_global_to_shared(v_desc, [chunk, 0, 0, 0, 0], kv_ready.index(s), v_bufs.index(s))
+        mbarrier.wait(ke_empty.index(s), phase ^ 1)
+        mbarrier.expect(ke_ready.index(s), ke_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(ke_desc, [kv_head, 0, j * BN], ke_ready.index(s), ke_bufs.index(s))
+
+
+@gluon.jit
+def _dq_ws(q_desc, do_desc, k_desc, v_desc, ke_desc, qs_ptr, ks_ptr, kes_ptr, dos_ptr, vs_ptr, delta_ptr, ref_ptr,
+           dq_ptr, stride_dqb, stride_dqh, stride_dqm, stride_dqd, stride_ksb, H, GROUP, NQ, NK,
+           HEAD_DIM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+           CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+    BM: gl.constexpr = q_desc.block_type.shape[2]
+    # Causal: the last query rows walk the most key tiles; launch them first.
+    pid_m = gl.num_programs(0) - 1 - gl.program_id(0) if CAUSAL else gl.program_id(0)
+    start_m = pid_m * 2 * BM
+    bh = gl.program_id(1)
+    kv_head = bh // GROUP
+    # Tiles 1 .. n_full - 1 need no mask (as the forward's); both warpgroups walk the same tiles.
+    if CAUSAL:
+        n_tiles = gl.cdiv(gl.minimum(NK, start_m + 2 * BM), BN)
+        n_full = gl.maximum(gl.minimum(NK, start_m) // BN, 1)
+    else:
+        n_tiles = gl.cdiv(NK, BN)
+        n_full = gl.maximum(NK // BN, 1)
+
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+    do_smem = gl.allocate_shared_memory(do_desc.dtype, [2] + do_desc.block_type.shape, do_desc.layout)
+    k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+    ke_bufs = gl.allocate_shared_memory(ke_desc.dtype, [STAGES] + ke_desc.block_type.shape, ke_desc.layout)
+    in_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ke_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ke_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(in_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(kv_ready.index(i), count=1)
+        mbarrier.init(ke_ready.index(i), count=1)
+        mbarrier.init(kv_empty.index(i), count=2)  # both consumer warpgroups release a stage
+        mbarrier.init(ke_empty.index(i), count=2)
+    mbarrier.init(turn.index(0), count=1)
+    mbarrier.init(turn.index(1), count=1)
+    mbarrier.arrive(turn.index(0))  # warpgroup 0 issues first
+
+    dov_scale = gl.load(dos_ptr + bh) * gl.load(vs_ptr + kv_head)
+    smem = (q_smem, do_smem, k_bufs, v_bufs, ke_bufs)
+    bars = (in_bar, kv_ready, kv_empty, ke_ready, ke_empty, turn)
+    dq_strides = (stride_dqb, stride_dqh, stride_dqm, stride_dqd)
+    ks_head = ks_ptr + kv_head * stride_ksb
+    kes_head = kes_ptr + kv_head * stride_ksb
+    gl.warp_specialize([
+        (_consumer, (qs_ptr, ks_head, kes_head, delta_ptr, ref_ptr, dq_ptr, smem, bars, dq_strides, dov_scale,
+                     bh, H, start_m, NQ, NK, n_tiles, n_full, 0, HEAD_DIM, BM, BN, STAGES, CAUSAL)),
+        (_consumer, (qs_ptr, ks_head, kes_head, delta_ptr, ref_ptr, dq_ptr, smem, bars, dq_strides, dov_scale,
+                     bh, H, start_m, NQ, NK, n_tiles, n_full, 1, HEAD_DIM, BM, BN, STAGES, CAUSAL)),
+        (_producer, (q_desc, do_desc, k_desc, v_desc, ke_desc, smem, bars, bh, H, start_m, kv_head, n_tiles, NK, BM,
+                     BN, STAGES)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+def _layout(block, dtype):
+    return gl.NVMMASharedLayout.get_default_for(block, dtype)
+
+
+def _permuted_rows(t, d, dtype):
+    """A 5-D TMA descriptor over contiguous [B, Hkv, Nk, D] rows in the P-operand order
+    (``attention_fwd._key_order``)."""
+    block = [BLOCK_N // 16, 2, 4, 2, d]
+    return TensorDescriptor(t, [t.numel() // (16 * d), 2, 4, 2, d], [16 * d, 2 * d, 4 * d, d, 1], block,
+                            _layout(block, dtype))
+
+
+_CONSTEXPRS = dict(BN=BLOCK_N, STAGES=NUM_STAGES, CONSUMER_REGS=240, PRODUCER_REGS=24)
+_LAUNCH = dict(num_warps=4, maxnreg=168)  # 12 warps share the register file
+
+
+def _tma_ready(t) -> bool:
+    """A TMA descriptor can address ``t`` in place: unit last stride, 16-byte aligned."""
+    size = t.element_size()
+    return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(s * size % 16 == 0 for s in t.stride()[:-1])
+
+
+def supports(do, delta, q, k, v, q_scale, ke_t, k_scale, ke_scale, row_ref, bias, p_mode, dq) -> bool:
+    """Whether this kernel can compute the call (module docstring).  Arguments as
+    ``dq_backward`` after the Triton launcher's preparation."""
+    b, h, nq, d = q.shape
+    hkv, nk = k.shape[1], k.shape[2]
+    rows = (h * nq, nq, 1)
+    return (p_mode == "direct" and bias is None and d in (64, 128) and nk % 16 == 0 and nq > 0 and nk > 0
+            and h % hkv == 0 and b * h < 65536  # the grid's second dimension
+            and q.dtype == k.dtype == torch.int8 and do.dtype == F.E5M2 and v.dtype == ke_t.dtype == F.E4M3
+            and all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (q, k, v))  # 5-D/flat TMA views
+            and _tma_ready(do) and _tma_ready(ke_t) and ke_t.stride(0) == hkv * ke_t.stride(1)
+            and all(t.stride() == rows for t in (delta, q_scale, row_ref))  # indexed bh * Nq + row
+            and k_scale.shape == ke_scale.shape and k_scale.is_contiguous() and ke_scale.is_contiguous()
+            and b * h * nq < 2**31 and h * nq * d < 2**31)  # 32-bit offsets (the batch's is 64)
+
+
+def dq_backward(do, do_scale, delta, q, k, v, q_scale, k_scale, v_scale, ke_t, ke_scale, row_ref, causal, dq):
+    """dQ (for Q times the softmax scale) into ``dq`` [B, H, Nq, D] (any strides), for the
+    calls ``supports`` accepts.  ``v`` is V row-major [B, Hkv, Nk, D], ``ke_t`` the
+    token-major E4M3 K [B, Hkv, D, Nk]; the rest as ``reference.attention_backward``,
+    float32 scales and rows."""
+    b, h, nq, d = q.shape
+    hkv, nk = k.shape[1], k.shape[2]
+    q_block = [1, 1, BM_WG, d]
+    q_desc = TensorDescriptor.from_tensor(q, q_block, _layout(q_block, gl.int8))
+    do_desc = TensorDescriptor.from_tensor(do, q_block, _layout(q_block, gl.float8e5))
+    ke_block = [1, d, BLOCK_N]
+    ke_desc = TensorDescriptor(ke_t, [b * hkv, d, nk], [ke_t.stride(1), ke_t.stride(2), 1], ke_block,
+                               _layout(ke_block, gl.float8e4nv))
+    k_scale, ke_scale = k_scale.reshape(b * hkv, -1), ke_scale.reshape(b * hkv, -1)
+    _dq_ws[(triton.cdiv(nq, 2 * BM_WG), b * h)](
+        q_desc, do_desc, _permuted_rows(k, d, gl.int8), _permuted_rows(v, d, gl.float8e4nv), ke_desc,
+        q_scale, k_scale, ke_scale, do_scale.reshape(-1), v_scale.reshape(-1), delta, row_ref, dq,
+        *dq.stride(), k_scale.stride(0), h, h // hkv, nq, nk,
+        HEAD_DIM=d, CAUSAL=bool(causal), **_CONSTEXPRS, **_LAUNCH)
+
+
+def compile_for_sm90(d: int, causal: bool):
+    """Compile without a GPU (Triton's bundled ptxas), for inspection: the compiled kernel."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    def desc(dt, block, dtype):
+        return f"tensordesc<{dt}[{', '.join(map(str, block))}],{_layout(block, dtype)!r}>"
+
+    perm = [BLOCK_N // 16, 2, 4, 2, d]
+    sig = {"q_desc": desc("i8", [1, 1, BM_WG, d], gl.int8), "do_desc": desc("fp8e5", [1, 1, BM_WG, d], gl.float8e5),
+           "k_desc": desc("i8", perm, gl.int8), "v_desc": desc("fp8e4nv", perm, gl.float8e4nv),
+           "ke_desc": desc("fp8e4nv", [1, d, BLOCK_N], gl.float8e4nv), "dq_ptr": "*bf16"}
+    for name in ("qs_ptr", "ks_ptr", "kes_ptr", "dos_ptr", "vs_ptr", "delta_ptr", "ref_ptr"):
+        sig[name] = "*fp32"
+    consts = dict(HEAD_DIM=d, CAUSAL=causal, **_CONSTEXPRS)
+    for name in _dq_ws.arg_names:
+        sig.setdefault(name, "constexpr" if name in consts else "i32")
+    src = GluonASTSource(_dq_ws, sig, constexprs=consts)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=_LAUNCH)
