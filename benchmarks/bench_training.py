@@ -36,6 +36,8 @@ from fp4_inductor import formats as F  # noqa: E402
 from fp4_inductor.attention import lowp_attention  # noqa: E402
 
 PASSES = {"fwd+bwd": 3.5, "bwd": 2.5}
+# The compiled row specialises on each shape of the grid (14 by default).
+torch._dynamo.config.recompile_limit = 64
 
 
 def _autograd(attend):

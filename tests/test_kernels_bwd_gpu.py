@@ -175,7 +175,9 @@ def _check(ops, causal, p_mode, grads, dumps):
         rel = (err.norm() / exp.double().norm().clamp_min(1e-30)).item()
         assert err.norm() <= 2e-3 * exp.double().norm() + c.double().norm(), \
             f"{name}: rel-L2 {rel:.2e} against the products of the kernel's codes"
-        worst = ((err - c.double()).max() / exp.abs().max().clamp_min(1e-30)).item()
+        # (with one key, dS is rounding noise: the expected dK is ~0 and the kernel's is
+        # made of the band, so its own accumulation error is measured against the band)
+        worst = ((err - c.double()).max() / (exp.abs().max() + c.max()).clamp_min(1e-30)).item()
         assert worst <= 2e-2, f"{name}: max error {worst:.2e} of max |ref|"
 
     # 4. the reference itself
