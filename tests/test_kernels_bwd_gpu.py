@@ -120,17 +120,23 @@ def _check_ds_codes(ds_kernel, ds_unrounded, noise):
 
 
 def _ds_rounding_band(ds_unrounded, noise, tile):
-    """The reference's rounding of dS over ``tile`` amax scales, and per element how far a
-    kernel whose dS is within ``noise`` of it may round away (rule 2's band, including
-    the tile scale's own drift)."""
+    """The reference's rounding of dS over ``tile`` amax scales, and per element how far
+    the rounding of a kernel's dS within ``noise`` of it may lie from that: the codes on
+    either side of rule 2's band; in a tile whose amax is itself within the noise (one
+    key: dS is rounding noise) the kernel's scale is unknown, so any rounding of a value
+    within the noise (half an E4M3 step, 2**-4 relative or 2**-10 of the scale, for
+    each of the two)."""
     t_u, t_n = _tiles(ds_unrounded, tile), _tiles(noise, tile)
-    a_u = t_u.abs().amax(dim=(-2, -1), keepdim=True)
+    a_u, n_max = t_u.abs().amax(dim=(-2, -1), keepdim=True), t_n.amax(dim=(-2, -1), keepdim=True)
     s = F._amax_scale(a_u, F.E4M3_MAX)
     c = t_u / s
-    drift = t_n.amax(dim=(-2, -1), keepdim=True) / a_u.clamp_min(1e-30) + 1e-5
-    tol = t_n / s + drift * c.abs()
+    drift = n_max / a_u.clamp_min(1e-30)  # how far the kernel's tile scale may be from s
+    tol = t_n / s + (drift + 1e-5) * c.abs()
+    codes = (_e4m3(c + tol) - _e4m3(c - tol)) * s
+    any_rounding = t_n + 0.125 * (t_u.abs() + t_n) + 2.0**-9 * F._amax_scale(a_u + n_max, F.E4M3_MAX)
+    band = torch.where(drift > 1e-3, any_rounding, codes)
     nq, nk = ds_unrounded.shape[-2:]
-    return _untiles(_e4m3(c) * s, nq, nk), _untiles((_e4m3(c + tol) - _e4m3(c - tol)) * s, nq, nk)
+    return _untiles(_e4m3(c) * s, nq, nk), _untiles(band, nq, nk)
 
 
 def _check(ops, causal, p_mode, grads, dumps):
