@@ -98,7 +98,7 @@ def backward_kernel(q: torch.Tensor, p_mode: str):
     (``kernels.gluon.attention_bwd_dq.supports``), the Triton dQ kernel otherwise.
 
     Opt-in (``FP4ATTN_BWD_KERNEL=1``): its GPU tests pass against the reference on the H200,
-    but at 27-183 TFLOP/s (causal fwd+bwd, D=128, Triton dQ) it was 0.10-0.31x
+    but at 47-233 TFLOP/s (causal fwd+bwd under torch.compile, D=128) it is 0.23-0.38x
     FlashAttention-4 (benchmarks/results/training_h200.json), so BF16 SDPA is the faster
     choice.
     """
