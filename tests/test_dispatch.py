@@ -1,4 +1,5 @@
-"""Which forward kernel ``kernels.forward_kernel`` runs (CPU: the kernel modules are stand-ins)."""
+"""Which kernel ``kernels.forward_kernel`` and the backward's dQ run (CPU: the kernel
+modules are stand-ins)."""
 
 from __future__ import annotations
 
@@ -60,3 +61,26 @@ def test_gluon_failure_falls_back_to_triton_once(launched):
         _launch("direct", False, 4096, 4096)
     _launch("direct", False, 4096, 4096)  # remembered: no second attempt, no second warning
     assert launched == ["break gluon", "triton", "triton"]
+
+
+def test_gluon_dq_failure_leaves_dq_to_triton_once(monkeypatch):
+    """A failing Gluon dQ warns once and returns False (the Triton dQ kernel then runs),
+    and is not tried again; outside its scope it is not tried at all."""
+    calls = []
+
+    def dq_backward(*args):
+        calls.append("gluon")
+        raise RuntimeError("compile error")
+
+    in_scope = {"value": False}
+    gluon = types.SimpleNamespace(supports=lambda *args: in_scope["value"], dq_backward=dq_backward)
+    monkeypatch.setattr(kernels, "_module", lambda family, name: gluon)
+    monkeypatch.setattr(kernels, "_gluon_dq_failed", False)
+    args = (None,) * 14
+    assert kernels._gluon_dq(*args, bias=None, p_mode="direct") is False
+    assert calls == []
+    in_scope["value"] = True
+    with pytest.warns(RuntimeWarning, match="Gluon dQ kernel failed"):
+        assert kernels._gluon_dq(*args, bias=None, p_mode="direct") is False
+    assert kernels._gluon_dq(*args, bias=None, p_mode="direct") is False  # remembered: no second warning
+    assert calls == ["gluon"]

@@ -16,8 +16,9 @@ to 1.9x (D=64) faster (docs/perf-notes.md), though at D=128 its key-tile loop sp
 (~146 local-memory accesses per tile: dQ, its in-flight part, S and dP hold 4 x 64
 registers); 64-key tiles would halve S and dP.
 
-Scope (``supports``): P mode direct, no bias, D in {64, 128}, Nk a multiple of 16; Q, K
-and the row vectors contiguous, dO and dQ with any strides TMA accepts.
+Scope (``supports``): P mode direct, no bias, D in {64, 128}, Nk a multiple of 16; Q, K,
+V and the row vectors contiguous, dO with any strides TMA accepts, dQ (stored through
+pointers) with non-negative strides whose offsets within a batch fit 32 bits.
 """
 
 from __future__ import annotations
@@ -279,7 +280,9 @@ def supports(do, delta, q, k, v, q_scale, ke_t, k_scale, ke_scale, row_ref, bias
             and _tma_ready(do) and _tma_ready(ke_t) and ke_t.stride(0) == hkv * ke_t.stride(1)
             and all(t.stride() == rows for t in (delta, q_scale, row_ref))  # indexed bh * Nq + row
             and k_scale.shape == ke_scale.shape and k_scale.is_contiguous() and ke_scale.is_contiguous()
-            and b * h * nq < 2**31 and h * nq * d < 2**31)  # 32-bit offsets (the batch's is 64)
+            and all(st >= 0 for st in dq.stride()) and b * h * nq < 2**31
+            # dQ offsets within a batch are 32-bit (the batch's is 64)
+            and sum((n - 1) * st for n, st in zip(dq.shape[1:], dq.stride()[1:])) < 2**31)
 
 
 def dq_backward(do, do_scale, delta, q, k, v, q_scale, k_scale, v_scale, ke_t, ke_scale, row_ref, causal, dq):

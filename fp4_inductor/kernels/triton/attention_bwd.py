@@ -165,7 +165,7 @@ _NO_SPECIALIZE = ["stride_dsb", "stride_dsh", "stride_dlb", "stride_dlh", "strid
 
 @triton.jit(do_not_specialize=_NO_SPECIALIZE)
 def _bwd_dkdv_kernel(
-    DO, DOT, DOS, DELTA, Q, K, V, QS, KS, VS, QET, QES, BIAS, ROW_REF, DK, DV, DBG_P, DBG_DS, DBG_DP,
+    DO, DOT, DOS, DELTA, Q, K, V, QS, KS, VS, QET, QES, BIAS, ROW_REF, DK, DV, DBG_P, DBG_DP,
     stride_dob, stride_doh, stride_dom, stride_dod,
     stride_dtb, stride_dth, stride_dtd, stride_dtm,
     stride_dsb, stride_dsh,
@@ -244,11 +244,10 @@ def _bwd_dkdv_kernel(
             else:
                 dv += tl.dot(p, tl.trans(do_t)) * do_scale
             dk += tl.dot(ds, tl.trans(qe_t)) * (ds_scale * qe_scale)
-            if DEBUG:  # P and dequantized dS, [B, H, Nq, Nk] float32 (tests only)
+            if DEBUG:  # P and dP, [B, H, Nq, Nk] float32 (tests only)
                 dbg = b * H * NQ * NK + h * NQ * NK + offs_m[None, :] * NK + offs_n[:, None]
                 dbg_ok = n_ok[:, None] & m_ok[None, :]
                 tl.store(DBG_P + dbg, p.to(tl.float32), mask=dbg_ok)
-                tl.store(DBG_DS + dbg, ds.to(tl.float32) * ds_scale, mask=dbg_ok)
                 tl.store(DBG_DP + dbg, dp, mask=dbg_ok)
 
     tl.store(DK + b * stride_dkb + hk * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd,
@@ -335,10 +334,11 @@ def _bwd_dq_kernel(
 
 # ------------------------------------------------------------------------ launch
 
-# (num_warps, num_stages) per kernel: 8 warps = two warpgroups over the 128-row tile,
-# whose dK/dV accumulators alone take 2 * 128 * D fp32 (both kernels still spill at 255
-# registers).  One stage measured faster than two on the H200 (fewer spills): 5.9 vs
-# 7.0 ms at B=4, H=16, N=4096, D=128 causal.
+# (num_warps, num_stages) per kernel: 8 warps = two warpgroups over the dK/dV kernel's
+# 128-key tile, whose dK/dV accumulators alone take 2 * 128 * D fp32 (both kernels still
+# spill at 255 registers).  One stage measured faster than two on the H200 (fewer
+# spills): 5.9 vs 7.0 ms for both kernels at B=4, H=16, N=4096, D=128 causal, with
+# 128-query dQ tiles (64-query: dQ 2.35 vs 2.29 ms, docs/perf-notes.md).
 CONFIG = {"dkdv": (8, 1), "dq": (8, 1)}
 # MIXED_F16: run the E4M3 x E5M2 products (dP, dV) as fp16 x fp16 (exact, same numbers).
 OPTIONS = dict(MIXED_F16=False)
@@ -368,10 +368,10 @@ def attention_backward(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale
     ``dv`` [B, Hkv, Nk, D] (any strides).  Arguments as ``reference.attention_backward``.
     ``dq_kernel(do, do_scale, delta, q, k, v, q_scale, k_scale, v_scale, ke_t, ke_scale,
     row_ref, causal, dq)`` (``v`` row-major, ``ke_t`` token-major) computes dQ in place of
-    the Triton dQ kernel when it returns True.
-    ``config`` overrides CONFIG; ``debug`` = (p, ds, ds2) float32 [B, H, Nq, Nk] buffers
-    receive P, the dequantized dS of the dK/dV kernel and that of the dQ kernel, and an
-    optional fourth dP (tests).  ``emulate=True`` runs the float32 emulation of the 8-bit
+    the Triton dQ kernel when it returns True (not asked with ``debug`` or ``emulate``).
+    ``config`` overrides CONFIG; ``debug`` = (p, dp, ds) float32 [B, H, Nq, Nk] buffers
+    receive the dK/dV kernel's P and dP (scaled) and the dQ kernel's dequantized dS
+    (tests; the dK/dV kernel's dS follows from its P and dP).  ``emulate=True`` runs the float32 emulation of the 8-bit
     products (as under the interpreter) to tell a lowering problem from a formula one."""
     b, h, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
@@ -400,13 +400,13 @@ def attention_backward(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale
     if has_bias:
         bias_arg = bias.float().expand(b, h, nq, nk)
         bias_strides = bias_arg.stride()
-    if debug is not None and len(debug) == 3:
-        debug = (*debug, torch.empty_like(debug[0]))
-    dbg = debug if debug is not None else (row_ref,) * 4
+    dbg = debug if debug is not None else (row_ref,) * 3
     if debug is not None:
-        assert all(t.is_contiguous() and t.shape == (b, h, nq, nk) and t.dtype == torch.float32 for t in debug)
+        assert len(debug) == 3 and all(t.is_contiguous() and t.shape == (b, h, nq, nk) and t.dtype == torch.float32
+                                       for t in debug)
+    emulate = _emulate() if emulate is None else emulate
     consts = dict(HEAD_DIM=d, BLOCK_N=BLOCK_N, P_MODE=_P_MODE_ID[p_mode], CAUSAL=bool(causal),
-                  HAS_BIAS=has_bias, EMULATE=_emulate() if emulate is None else emulate, DEBUG=debug is not None,
+                  HAS_BIAS=has_bias, EMULATE=emulate, DEBUG=debug is not None,
                   **OPTIONS)
     consts.update(options or {})
     cfg = dict(CONFIG, **(config or {}))
@@ -415,14 +415,14 @@ def attention_backward(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale
     warps, stages = cfg["dkdv"]
     _bwd_dkdv_kernel[(triton.cdiv(nk, BLOCK_N), b * hkv)](
         do, do_t, do_scale, delta, q, k, v, q_scale, k_scale, v_scale, qe_t, qe_scale, bias_arg, row_ref, dk, dv,
-        dbg[0], dbg[1], dbg[3],
+        dbg[0], dbg[1],
         *do.stride(), *do_t.stride(), *do_scale.stride(), *delta.stride(), *q.stride(), *k.stride(), *v.stride(),
         *q_scale.stride(), *k_scale.stride(), *v_scale.stride(), *qe_t.stride(), *qe_scale.stride(),
         *common_tail, *dk.stride(), *dv.stride(),
         h, hkv, h // hkv, nq, nk, BLOCK_M=BLOCK_M_DK, **consts, num_warps=warps, num_stages=stages,
     )
-    if dq_kernel is not None and dq_kernel(do, do_scale, delta, q, k, v, q_scale, k_scale, v_scale, ke_t, ke_scale,
-                                           row_ref, causal, dq):
+    if dq_kernel is not None and debug is None and not emulate \
+            and dq_kernel(do, do_scale, delta, q, k, v, q_scale, k_scale, v_scale, ke_t, ke_scale, row_ref, causal, dq):
         return
     warps, stages = cfg["dq"]
     _bwd_dq_kernel[(triton.cdiv(nq, BLOCK_M_DQ), b * h)](
