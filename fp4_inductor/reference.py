@@ -9,6 +9,8 @@ these functions.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from . import formats as F
@@ -149,10 +151,9 @@ def attention_backward(
     k = _heads(F.dequantize_blockwise(ke, ke_scale), h)
     q = F.dequantize_blockwise(qe, qe_scale)
     r = row_ref.float()
-    # One dK tile's rows at a time (a whole number of dQ tiles): memory grows with N, not
-    # N**2, and the dS tiles stay aligned at 0 as the kernels' are.
-    step = F.DS_TILE_DK[0]
-    assert step % F.DS_TILE_DQ[0] == 0 and F.DS_TILE_DK[1] == F.DS_TILE_DQ[1]
+    # Row blocks holding whole dQ and dK tiles: memory grows with N, not N**2, and the
+    # dS tiles stay aligned at 0 as the kernels' are.
+    step = math.lcm(F.DS_TILE_DQ[0], F.DS_TILE_DK[0])
     dq, dk, dv = [], 0.0, 0.0
     for start in range(0, nq, step):
         rows = slice(start, min(start + step, nq))

@@ -107,30 +107,42 @@ def backward_kernel(q: torch.Tensor, p_mode: str):
     return _backward if _module("triton", "attention_bwd") is not None else None
 
 
-_gluon_dq_failed = False
+_gluon_bwd_failed: set[str] = set()  # Gluon backward modules that failed once
+
+
+def _gluon_backward(module: str, launch: str, supports_args: tuple, args: tuple) -> bool:
+    """Run ``kernels.gluon.<module>.<launch>(*args)`` where its ``supports(*supports_args)``
+    holds; False leaves the work to the Triton kernel (a failure warns once)."""
+    gluon = None if module in _gluon_bwd_failed else _module("gluon", module)
+    if gluon is None or not gluon.supports(*supports_args):
+        return False
+    try:
+        getattr(gluon, launch)(*args)
+        return True
+    except Exception as err:  # Gluon is experimental: an API change fails at compile time
+        _gluon_bwd_failed.add(module)
+        warnings.warn(f"fp4attn Gluon kernel {module} failed ({err!r}); using the Triton kernel", RuntimeWarning,
+                      stacklevel=2)
+        return False
 
 
 def _gluon_dq(do, do_scale, delta, q, k, v, q_scale, k_scale, v_scale, ke_t, ke_scale, row_ref, causal, dq,
               bias, p_mode) -> bool:
-    """dQ by the Gluon kernel where it applies; False leaves it to the Triton kernel."""
-    global _gluon_dq_failed
-    gluon = None if _gluon_dq_failed else _module("gluon", "attention_bwd_dq")
-    if gluon is None or not gluon.supports(do, delta, q, k, v, q_scale, ke_t, k_scale, ke_scale, row_ref, bias,
-                                           p_mode, dq):
-        return False
-    try:
-        gluon.dq_backward(do, do_scale, delta, q, k, v, q_scale, k_scale, v_scale, ke_t, ke_scale, row_ref, causal,
-                          dq)
-        return True
-    except Exception as err:  # Gluon is experimental: an API change fails at compile time
-        _gluon_dq_failed = True
-        warnings.warn(f"fp4attn Gluon dQ kernel failed ({err!r}); using the Triton kernel", RuntimeWarning,
-                      stacklevel=2)
-        return False
+    return _gluon_backward("attention_bwd_dq", "dq_backward",
+                           (do, delta, q, k, v, q_scale, ke_t, k_scale, ke_scale, row_ref, bias, p_mode, dq),
+                           (do, do_scale, delta, q, k, v, q_scale, k_scale, v_scale, ke_t, ke_scale, row_ref, causal,
+                            dq))
+
+
+def _gluon_dkdv(do, do_t, do_scale, delta, q, qe_t, qe_scale, k, v, q_scale, k_scale, v_scale, row_ref, causal, dk,
+                dv, bias, p_mode) -> bool:
+    args = (do, do_t, do_scale, delta, q, qe_t, qe_scale, k, v, q_scale, k_scale, v_scale, row_ref, causal, dk, dv)
+    return _gluon_backward("attention_bwd_dkdv", "dkdv_backward", args + (bias, p_mode), args)
 
 
 def _backward(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale, qe, qe_scale, ke, ke_scale, bias, row_ref,
               causal, p_mode, dq, dk, dv):
     _module("triton", "attention_bwd").attention_backward(
         do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale, qe, qe_scale, ke, ke_scale, bias, row_ref, causal,
-        p_mode, dq, dk, dv, dq_kernel=functools.partial(_gluon_dq, bias=bias, p_mode=p_mode))
+        p_mode, dq, dk, dv, dq_kernel=functools.partial(_gluon_dq, bias=bias, p_mode=p_mode),
+        dkdv_kernel=functools.partial(_gluon_dkdv, bias=bias, p_mode=p_mode))

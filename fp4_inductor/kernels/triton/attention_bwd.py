@@ -61,7 +61,10 @@ _P_MODE_ID = {"direct": 0, "exp": 1, "fp4": 2}
 # dK/dV also the Qe scale block).
 BLOCK_N = F.KEY_TILE
 BLOCK_M_DK, BLOCK_M_DQ = F.DS_TILE_DK[0], F.DS_TILE_DQ[0]
-assert F.DS_TILE_DK[1] == F.DS_TILE_DQ[1] == BLOCK_N == F.KEY_TILE == F.SCALE_BLOCK == BLOCK_M_DK == 128
+# The dK/dV kernel scales dS per key sub-tile of its 128-key tile: a per-row factor of dK.
+KEY_SPLIT_DK = BLOCK_N // F.DS_TILE_DK[1]
+assert F.DS_TILE_DQ[1] == BLOCK_N == F.KEY_TILE == F.SCALE_BLOCK == 128 and F.SCALE_BLOCK % BLOCK_M_DK == 0
+assert BLOCK_N % F.DS_TILE_DK[1] == 0
 
 
 @triton.jit
@@ -124,8 +127,9 @@ def _probability_t(x, r, P_MODE: tl.constexpr, EMULATE: tl.constexpr,
 @triton.jit
 def _tile(k, v, q, do, row_t, r, delta, k_scale, dov_scale, b_ptrs, offs_m, offs_n, NQ, NK,
           P_MODE: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, EMULATE: tl.constexpr,
-          MIXED_F16: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
-    """One transposed tile: P^T and dS^T codes [keys, queries] and the dS tile scale.
+          MIXED_F16: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, KEY_SPLIT: tl.constexpr = 1):
+    """One transposed tile: P^T and dS^T codes [keys, queries] and the dS scale: one per
+    tile, or (KEY_SPLIT > 1) one per key sub-tile, returned per key row.
 
     k, v: [keys, D] INT8 / E4M3; q, do: [queries, D] INT8 / E5M2; row_t = q_scale * log2e,
     r (the forward's integer row reference), delta: [queries]; dov_scale = do_scale * v_scale."""
@@ -147,9 +151,15 @@ def _tile(k, v, q, do, row_t, r, delta, k_scale, dov_scale, b_ptrs, offs_m, offs
     else:
         dp = tl.dot(v, tl.trans(do)) * dov_scale
     ds = p.to(tl.float32) * (dp - delta[None, :])
-    amax = tl.max(tl.max(tl.abs(ds), 1), 0)
+    if KEY_SPLIT == 1:
+        amax = tl.max(tl.max(tl.abs(ds), 1), 0)
+    else:
+        part = tl.max(tl.max(tl.reshape(tl.abs(ds), (KEY_SPLIT, BLOCK_N // KEY_SPLIT, BLOCK_M)), 2), 1)
+        amax = tl.reshape(tl.broadcast_to(part[:, None], (KEY_SPLIT, BLOCK_N // KEY_SPLIT)), (BLOCK_N,))
     ds_scale = tl.where(amax == 0.0, 1.0, tl.math.div_rn(amax, 448.0))  # formats._amax_scale
     inv = tl.math.div_rn(1.0, ds_scale)
+    if KEY_SPLIT > 1:
+        inv = inv[:, None]
     ds8 = _to_operand(tl.minimum(tl.maximum(ds * inv, -448.0), 448.0), EMULATE)
     return p, ds8, ds_scale, dp
 
@@ -183,7 +193,7 @@ def _bwd_dkdv_kernel(
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
     H, HKV, GROUP, NQ, NK,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KEY_SPLIT: tl.constexpr,
     P_MODE: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
     EMULATE: tl.constexpr, DEBUG: tl.constexpr, MIXED_F16: tl.constexpr = False,
 ):
@@ -229,7 +239,8 @@ def _bwd_dkdv_kernel(
             if EMULATE:
                 do = do.to(tl.float32)
             p, ds, ds_scale, dp = _tile(k, v, q, do, row_t, r, delta, k_scale, dov_scale, b_ptrs, offs_m, offs_n,
-                                        NQ, NK, P_MODE, CAUSAL, HAS_BIAS, EMULATE, MIXED_F16, BLOCK_N, BLOCK_M)
+                                        NQ, NK, P_MODE, CAUSAL, HAS_BIAS, EMULATE, MIXED_F16, BLOCK_N, BLOCK_M,
+                                        KEY_SPLIT)
 
             do_t = tl.load(DOT + b * stride_dtb + h * stride_dth + offs_d[:, None] * stride_dtd
                            + offs_m[None, :] * stride_dtm, mask=m_ok[None, :], other=0.0)
@@ -238,12 +249,12 @@ def _bwd_dkdv_kernel(
             if EMULATE:
                 do_t = do_t.to(tl.float32)
                 qe_t = qe_t.to(tl.float32)
-            qe_scale = tl.load(QES + b * stride_qesb + h * stride_qesh + (start_m // BLOCK_M) * stride_qesm)
+            qe_scale = tl.load(QES + b * stride_qesb + h * stride_qesh + (start_m // BLOCK_N) * stride_qesm)
             if MIXED_F16:
                 dv += tl.dot(p.to(tl.float16), tl.trans(do_t.to(tl.float16))) * do_scale
             else:
                 dv += tl.dot(p, tl.trans(do_t)) * do_scale
-            dk += tl.dot(ds, tl.trans(qe_t)) * (ds_scale * qe_scale)
+            dk += tl.dot(ds, tl.trans(qe_t)) * (ds_scale[:, None] * qe_scale)
             if DEBUG:  # P and dP, [B, H, Nq, Nk] float32 (tests only)
                 dbg = b * H * NQ * NK + h * NQ * NK + offs_m[None, :] * NK + offs_n[:, None]
                 dbg_ok = n_ok[:, None] & m_ok[None, :]
@@ -363,12 +374,14 @@ def _token_major(x: torch.Tensor) -> torch.Tensor:
 
 def attention_backward(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale, qe, qe_scale, ke, ke_scale,
                        bias, row_ref, causal, p_mode, dq, dk, dv, config=None, debug=None, emulate=None,
-                       options=None, dq_kernel=None):
+                       options=None, dq_kernel=None, dkdv_kernel=None):
     """Launch both backward kernels into the preallocated ``dq`` [B, H, Nq, D] and ``dk``,
     ``dv`` [B, Hkv, Nk, D] (any strides).  Arguments as ``reference.attention_backward``.
     ``dq_kernel(do, do_scale, delta, q, k, v, q_scale, k_scale, v_scale, ke_t, ke_scale,
     row_ref, causal, dq)`` (``v`` row-major, ``ke_t`` token-major) computes dQ in place of
-    the Triton dQ kernel when it returns True (not asked with ``debug`` or ``emulate``).
+    the Triton dQ kernel when it returns True (not asked with ``debug`` or ``emulate``);
+    ``dkdv_kernel(do, do_t, do_scale, delta, q, qe_t, qe_scale, k, v, q_scale, k_scale,
+    v_scale, row_ref, causal, dk, dv)`` likewise for dK and dV.
     ``config`` overrides CONFIG; ``debug`` = (p, dp, ds) float32 [B, H, Nq, Nk] buffers
     receive the dK/dV kernel's P and dP (scaled) and the dQ kernel's dequantized dS
     (tests; the dK/dV kernel's dS follows from its P and dP).  ``emulate=True`` runs the float32 emulation of the 8-bit
@@ -412,16 +425,22 @@ def attention_backward(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale
     cfg = dict(CONFIG, **(config or {}))
     common_tail = (*bias_strides, *row_ref.stride())
 
-    warps, stages = cfg["dkdv"]
-    _bwd_dkdv_kernel[(triton.cdiv(nk, BLOCK_N), b * hkv)](
-        do, do_t, do_scale, delta, q, k, v, q_scale, k_scale, v_scale, qe_t, qe_scale, bias_arg, row_ref, dk, dv,
-        dbg[0], dbg[1],
-        *do.stride(), *do_t.stride(), *do_scale.stride(), *delta.stride(), *q.stride(), *k.stride(), *v.stride(),
-        *q_scale.stride(), *k_scale.stride(), *v_scale.stride(), *qe_t.stride(), *qe_scale.stride(),
-        *common_tail, *dk.stride(), *dv.stride(),
-        h, hkv, h // hkv, nq, nk, BLOCK_M=BLOCK_M_DK, **consts, num_warps=warps, num_stages=stages,
-    )
-    if dq_kernel is not None and debug is None and not emulate \
+    hooks = debug is None and not emulate
+    if not (hooks and dkdv_kernel is not None
+            and dkdv_kernel(do, do_t, do_scale, delta, q, qe_t, qe_scale, k, v, q_scale, k_scale, v_scale, row_ref,
+                            causal, dk, dv)):
+        warps, stages = cfg["dkdv"]
+        _bwd_dkdv_kernel[(triton.cdiv(nk, BLOCK_N), b * hkv)](
+            do, do_t, do_scale, delta, q, k, v, q_scale, k_scale, v_scale, qe_t, qe_scale, bias_arg, row_ref, dk, dv,
+            dbg[0], dbg[1],
+            *do.stride(), *do_t.stride(), *do_scale.stride(), *delta.stride(), *q.stride(), *k.stride(), *v.stride(),
+            *q_scale.stride(), *k_scale.stride(), *v_scale.stride(), *qe_t.stride(), *qe_scale.stride(),
+            *common_tail, *dk.stride(), *dv.stride(),
+            h, hkv, h // hkv, nq, nk, BLOCK_M=BLOCK_M_DK, KEY_SPLIT=KEY_SPLIT_DK, **consts, num_warps=warps,
+            num_stages=stages,
+        )
+
+    if hooks and dq_kernel is not None \
             and dq_kernel(do, do_scale, delta, q, k, v, q_scale, k_scale, v_scale, ke_t, ke_scale, row_ref, causal, dq):
         return
     warps, stages = cfg["dq"]

@@ -1,0 +1,332 @@
+"""Warp-specialised Hopper (sm_90) dK/dV kernel in Gluon, P mode ``direct`` (prototype:
+compiles for sm_90, not yet run on a GPU).
+
+The dK/dV half of ``kernels/triton/attention_bwd.py`` in the Gluon dQ kernel's structure:
+one program per 128 keys of one K/V head (one K scale block), a producer warp streaming
+the query side through a two-stage ring, two consumer warpgroups of 64 keys each taking
+turns on the tensor cores.  The ring holds, per query tile of 64 queries, the Q and dO rows
+(B operands of the scores and of dP) and their token-major Qeᵀ and dOᵀ tiles (B operands
+of the gradient products).  Per tile j and warpgroup, on transposed tiles [keys, queries]:
+
+  Sᵀ = K·Qᵀ (INT8, exact),  dPᵀ = V·dOᵀ (E4M3 × E5M2),
+  Pᵀ = Direct-P codes against the forward's row references (one per query, a column),
+  dSᵀ = Pᵀ ∘ (dPᵀ·do_scale·v_scale − delta) → E4M3 with the amax scale of its 64×64 tile
+  (``formats.DS_TILE_DK``, one warpgroup's tile: no exchange between warpgroups),
+  dV += Pᵀ·dO, accumulated in place in units of the query head's dO scale (rescaled where
+  the GQA group moves to its next head),
+  dK += (dSᵀ·Qe)·(ds_scale·qe_scale) — both products issued in the next tile's turn.
+
+The query tiles of the GQA group's heads run one after the other in one sequence, so dK
+and dV are summed over the group without atomics.  Pᵀ and dSᵀ reach the A operand by a
+layout conversion (shuffles; the forward measured no gain from avoiding them), and every
+tile is masked (the forward gained from unmasked interior tiles: a next step).
+
+Scope (``supports``): P mode direct, no bias, D in {64, 128}; K, V and the row vectors
+contiguous, Q and dO with any strides TMA accepts, token-major dOᵀ and Qeᵀ as the Triton
+launcher makes them.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from ... import formats as F
+from .attention_bwd_dq import _tma_ready
+from .attention_fwd import _e4m3, _fma_sat, _mul_rn
+
+BLOCK_N = F.KEY_TILE  # keys per program: one K scale block
+BN_WG = BLOCK_N // 2  # keys per consumer warpgroup = one dS tile's keys
+BM = F.DS_TILE_DK[0]  # queries per step = one dS tile's queries
+assert F.DS_TILE_DK == (BM, BN_WG) and F.SCALE_BLOCK % BM == 0
+NUM_STAGES = 2
+LOG2E = gl.constexpr(1.4426950408889634)
+
+
+@gluon.jit
+def _probability_t(x, r):
+    """Direct-P codes of a transposed tile against the column references ``r``."""
+    z = _fma_sat(x, 0.03125, ((120.0 - 8.0 * r) * 0.00390625)[None, :])
+    codes = (z + 32768.0).to(gl.int32, bitcast=True).to(gl.uint8)
+    return codes.to(gl.float8e4nv, bitcast=True)
+
+
+@gluon.jit
+def _ds_operand_t(p, dp, delta, dov_scale):
+    """dSᵀ = Pᵀ ∘ (dPᵀ·scale − delta) as E4M3 codes with its tile's amax scale."""
+    ds = p * (dp * dov_scale - delta[None, :])
+    amax = gl.max(gl.max(gl.abs(ds), 1), 0)
+    ds_scale = gl.where(amax == 0.0, 1.0, gl.div_rn(amax, 448.0))
+    inv = gl.div_rn(1.0, ds_scale)
+    ds8 = _e4m3(gl.minimum(gl.maximum(ds * inv, -448.0), 448.0)).to(gl.float8e4nv, bitcast=True)
+    return ds8, ds_scale
+
+
+@gluon.jit
+def _tile(c, s, dp, keys, qs_ptr, delta_ptr, ref_ptr, dos_ptr, qes_ptr, b, kv_head, H, GROUP, j_lo, n_q, NQ, NK,
+          ks, v_scale, stride_qes, BM: gl.constexpr, CAUSAL: gl.constexpr):
+    """Pᵀ and dSᵀ operands of step ``c`` (query tile ``j_lo + c % n_q`` of the group's head
+    ``c // n_q``) from its scores and dP, and the scale of its dK product."""
+    h = kv_head * GROUP + c // n_q
+    start_m = (j_lo + c % n_q) * BM
+    cols = start_m + gl.arange(0, BM, gl.SliceLayout(0, s.type.layout))
+    ok = cols < NQ
+    row = (b * H + h) * NQ + cols  # the row vectors are contiguous [B, H, Nq]
+    t = gl.load(qs_ptr + row, mask=ok, other=0.0) * LOG2E * ks  # rounded as the reference's row * col
+    x = _mul_rn(s.to(gl.float32), t[None, :])
+    live = (keys < NK)[:, None] & ok[None, :]
+    if CAUSAL:
+        live = live & (keys[:, None] <= cols[None, :])
+    p8 = _probability_t(gl.where(live, x, float("-inf")), gl.load(ref_ptr + row, mask=ok, other=0.0))
+    dov_scale = gl.load(dos_ptr + b * H + h) * v_scale
+    ds8, ds_scale = _ds_operand_t(p8.to(gl.float32), dp, gl.load(delta_ptr + row, mask=ok, other=0.0), dov_scale)
+    qe_scale = gl.load(qes_ptr + (b * H + h) * stride_qes + start_m // 128)  # formats.SCALE_BLOCK
+    return p8, ds8, ds_scale * qe_scale
+
+
+@gluon.jit
+def _products(dv, part, p8, ds8, dot_buf, qet_buf, HEAD_DIM: gl.constexpr, BM: gl.constexpr):
+    """Issue Pᵀ·dO into dV and dSᵀ·Qe into the dK part, asynchronously."""
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dv.type.layout, k_width=4)
+    dv = warpgroup_mma(gl.convert_layout(p8, a_layout), dot_buf.reshape([HEAD_DIM, BM]).permute((1, 0)), dv,
+                       use_acc=True, is_async=True)
+    part = warpgroup_mma(gl.convert_layout(ds8, a_layout), qet_buf.reshape([HEAD_DIM, BM]).permute((1, 0)), part,
+                         use_acc=False, is_async=True)
+    return dv, part
+
+
+@gluon.jit
+def _consumer(qs_ptr, delta_ptr, ref_ptr, dos_ptr, vs_ptr, qes_ptr, dk_ptr, dv_ptr, smem, bars, out_strides,
+              stride_qes, ks, b, kv_head, H, GROUP, k0, j_lo, n_q, NQ, NK,
+              WG: gl.constexpr, HEAD_DIM: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+              STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+    k_smem, v_smem, q_bufs, do_bufs, dot_bufs, qet_bufs = smem
+    kv_bar, q_ready, q_empty, t_ready, t_empty, turn = bars
+    nw: gl.constexpr = gl.num_warps()
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[nw, 1],
+                                                       instr_shape=[16, BM, 32])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[nw, 1],
+                                                       instr_shape=[16, HEAD_DIM, 32])
+    keys = k0 + WG * BN + gl.arange(0, BN, gl.SliceLayout(1, s_layout))
+    v_scale = gl.load(vs_ptr + b * (H // GROUP) + kv_head)
+    k_op = k_smem.index(WG).reshape([BN, HEAD_DIM])
+    v_op = v_smem.index(WG).reshape([BN, HEAD_DIM])
+    dk = gl.zeros([BN, HEAD_DIM], gl.float32, o_layout)
+    dv = gl.zeros([BN, HEAD_DIM], gl.float32, o_layout)
+    n_steps = GROUP * n_q
+    if n_steps > 0:
+        mbarrier.wait(kv_bar, 0)
+        # Step 0: scores and dP only; each step c then issues tile c-1's products under S_c, dP_c.
+        mbarrier.wait(q_ready.index(0), 0)
+        mbarrier.wait(turn.index(WG), 0)
+        s = warpgroup_mma(k_op, q_bufs.index(0).reshape([BM, HEAD_DIM]).permute((1, 0)),
+                          gl.zeros([BN, BM], gl.int32, s_layout), use_acc=False, is_async=True)
+        dp = warpgroup_mma(v_op, do_bufs.index(0).reshape([BM, HEAD_DIM]).permute((1, 0)),
+                           gl.zeros([BN, BM], gl.float32, s_layout), use_acc=False, is_async=True)
+        mbarrier.arrive(turn.index(1 - WG))
+        s, dp = warpgroup_mma_wait(0, deps=(s, dp))
+        mbarrier.arrive(q_empty.index(0))
+        p8, ds8, scale = _tile(0, s, dp, keys, qs_ptr, delta_ptr, ref_ptr, dos_ptr, qes_ptr, b, kv_head, H, GROUP,
+                               j_lo, n_q, NQ, NK, ks, v_scale, stride_qes, BM, CAUSAL)
+        part = gl.zeros([BN, HEAD_DIM], gl.float32, o_layout)
+        for c in range(1, n_steps):
+            stage = c % STAGES
+            prev = (c - 1) % STAGES
+            mbarrier.wait(q_ready.index(stage), (c // STAGES) & 1)
+            mbarrier.wait(turn.index(WG), c & 1)
+            s = warpgroup_mma(k_op, q_bufs.index(stage).reshape([BM, HEAD_DIM]).permute((1, 0)),
+                              gl.zeros([BN, BM], gl.int32, s_layout), use_acc=False, is_async=True)
+            dp = warpgroup_mma(v_op, do_bufs.index(stage).reshape([BM, HEAD_DIM]).permute((1, 0)),
+                               gl.zeros([BN, BM], gl.float32, s_layout), use_acc=False, is_async=True)
+            mbarrier.wait(t_ready.index(prev), ((c - 1) // STAGES) & 1)
+            dv, part = _products(dv, part, p8, ds8, dot_bufs.index(prev), qet_bufs.index(prev), HEAD_DIM, BM)
+            mbarrier.arrive(turn.index(1 - WG))
+            s, dp = warpgroup_mma_wait(2, deps=(s, dp))
+            mbarrier.arrive(q_empty.index(stage))
+            p8_new, ds8_new, scale_new = _tile(c, s, dp, keys, qs_ptr, delta_ptr, ref_ptr, dos_ptr, qes_ptr, b,
+                                               kv_head, H, GROUP, j_lo, n_q, NQ, NK, ks, v_scale, stride_qes, BM,
+                                               CAUSAL)
+            dv, part = warpgroup_mma_wait(0, deps=(dv, part))
+            mbarrier.arrive(t_empty.index(prev))
+            dk = dk + part * scale
+            if c % n_q == 0:  # tile c starts the group's next head: dV into its dO scale's units
+                head = kv_head * GROUP + c // n_q
+                dv = dv * gl.div_rn(gl.load(dos_ptr + b * H + head - 1), gl.load(dos_ptr + b * H + head))
+            p8, ds8, scale = p8_new, ds8_new, scale_new
+        last = (n_steps - 1) % STAGES
+        mbarrier.wait(t_ready.index(last), ((n_steps - 1) // STAGES) & 1)
+        dv, part = _products(dv, part, p8, ds8, dot_bufs.index(last), qet_bufs.index(last), HEAD_DIM, BM)
+        dv, part = warpgroup_mma_wait(0, deps=(dv, part))
+        mbarrier.arrive(t_empty.index(last))
+        dk = dk + part * scale
+        dv = dv * gl.load(dos_ptr + b * H + kv_head * GROUP + GROUP - 1)
+
+    rows = k0 + WG * BN + gl.arange(0, BN, gl.SliceLayout(1, o_layout))
+    cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, o_layout))
+    # 64-bit: B * stride_b may pass 2**31 elements on long sequences
+    offs = (b.to(gl.int64) * out_strides[0] + kv_head * out_strides[1] + rows[:, None] * out_strides[2]
+            + cols[None, :] * out_strides[3])
+    gl.store(dk_ptr + offs, dk.to(dk_ptr.dtype.element_ty), mask=(rows < NK)[:, None])
+    gl.store(dv_ptr + offs, dv.to(dv_ptr.dtype.element_ty), mask=(rows < NK)[:, None])
+
+
+@gluon.jit
+def _producer(k_desc, v_desc, q_desc, do_desc, dot_desc, qet_desc, smem, bars, b, kv_head, H, GROUP, k0, j_lo, n_q,
+              BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr):
+    k_smem, v_smem, q_bufs, do_bufs, dot_bufs, qet_bufs = smem
+    kv_bar, q_ready, q_empty, t_ready, t_empty, turn = bars
+    mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
+    for w in gl.static_range(2):
+        tma.async_copy_global_to_shared(k_desc, [b, kv_head, k0 + w * BN, 0], kv_bar, k_smem.index(w))
+        tma.async_copy_global_to_shared(v_desc, [b, kv_head, k0 + w * BN, 0], kv_bar, v_smem.index(w))
+    for c in range(GROUP * n_q):
+        h = kv_head * GROUP + c // n_q
+        start_m = (j_lo + c % n_q) * BM
+        s = c % STAGES
+        phase = (c // STAGES) & 1
+        mbarrier.wait(q_empty.index(s), phase ^ 1)  # a fresh barrier counts as released
+        mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [b, h, start_m, 0], q_ready.index(s), q_bufs.index(s))
+        tma.async_copy_global_to_shared(do_desc, [b, h, start_m, 0], q_ready.index(s), do_bufs.index(s))
+        mbarrier.wait(t_empty.index(s), phase ^ 1)
+        mbarrier.expect(t_ready.index(s), dot_desc.block_type.nbytes + qet_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(dot_desc, [b * H + h, 0, start_m], t_ready.index(s), dot_bufs.index(s))
+        tma.async_copy_global_to_shared(qet_desc, [b * H + h, 0, start_m], t_ready.index(s), qet_bufs.index(s))
+
+
+@gluon.jit
+def _dkdv_ws(k_desc, v_desc, q_desc, do_desc, dot_desc, qet_desc, qs_ptr, ks_ptr, vs_ptr, dos_ptr, qes_ptr,
+             delta_ptr, ref_ptr, dk_ptr, dv_ptr, stride_kb, stride_kh, stride_kn, stride_kd, stride_ksb, stride_qes,
+             H, HKV, NQ, NK,
+             HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+             CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+    BN: gl.constexpr = k_desc.block_type.shape[2]
+    BM: gl.constexpr = q_desc.block_type.shape[2]
+    # Causal: the first keys see the most query tiles; launch them first (they are pid 0).
+    k0 = gl.program_id(0) * 2 * BN
+    b = gl.program_id(1) // HKV
+    kv_head = gl.program_id(1) % HKV
+    GROUP = H // HKV
+    # Causal (top-left): query tiles wholly before this program's first key see none of it.
+    j_lo = k0 // BM if CAUSAL else 0
+    n_q = gl.maximum(gl.cdiv(NQ, BM) - j_lo, 0)
+    ks = gl.load(ks_ptr + b * (HKV * stride_ksb) + kv_head * stride_ksb + gl.program_id(0))
+
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [2] + k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [2] + v_desc.block_type.shape, v_desc.layout)
+    q_bufs = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
+    do_bufs = gl.allocate_shared_memory(do_desc.dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
+    dot_bufs = gl.allocate_shared_memory(dot_desc.dtype, [STAGES] + dot_desc.block_type.shape, dot_desc.layout)
+    qet_bufs = gl.allocate_shared_memory(qet_desc.dtype, [STAGES] + qet_desc.block_type.shape, qet_desc.layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    t_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    t_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(t_ready.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=2)  # both consumer warpgroups release a stage
+        mbarrier.init(t_empty.index(i), count=2)
+    mbarrier.init(turn.index(0), count=1)
+    mbarrier.init(turn.index(1), count=1)
+    mbarrier.arrive(turn.index(0))  # warpgroup 0 issues first
+
+    smem = (k_smem, v_smem, q_bufs, do_bufs, dot_bufs, qet_bufs)
+    bars = (kv_bar, q_ready, q_empty, t_ready, t_empty, turn)
+    out_strides = (stride_kb, stride_kh, stride_kn, stride_kd)
+    gl.warp_specialize([
+        (_consumer, (qs_ptr, delta_ptr, ref_ptr, dos_ptr, vs_ptr, qes_ptr, dk_ptr, dv_ptr, smem, bars, out_strides,
+                     stride_qes, ks, b, kv_head, H, GROUP, k0, j_lo, n_q, NQ, NK, 0, HEAD_DIM, BM, BN, STAGES,
+                     CAUSAL)),
+        (_consumer, (qs_ptr, delta_ptr, ref_ptr, dos_ptr, vs_ptr, qes_ptr, dk_ptr, dv_ptr, smem, bars, out_strides,
+                     stride_qes, ks, b, kv_head, H, GROUP, k0, j_lo, n_q, NQ, NK, 1, HEAD_DIM, BM, BN, STAGES,
+                     CAUSAL)),
+        (_producer, (k_desc, v_desc, q_desc, do_desc, dot_desc, qet_desc, smem, bars, b, kv_head, H, GROUP, k0, j_lo,
+                     n_q, BM, BN, STAGES)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+def _layout(block, dtype):
+    return gl.NVMMASharedLayout.get_default_for(block, dtype)
+
+
+_CONSTEXPRS = dict(STAGES=NUM_STAGES, CONSUMER_REGS=240, PRODUCER_REGS=24)
+_LAUNCH = dict(num_warps=4, maxnreg=168)  # 12 warps share the register file
+
+
+def _token_major_desc(t, d, dtype):
+    """[B, H, D, N] token-major view (rows 16-byte aligned, the Triton launcher's
+    ``_token_major``) as [B*H, D, N] tiles of BM tokens."""
+    block = [1, d, BM]
+    return TensorDescriptor(t, [t.shape[0] * t.shape[1], d, t.shape[-1]], [t.stride(1), t.stride(2), 1], block,
+                            _layout(block, dtype))
+
+
+def supports(do, do_t, do_scale, delta, q, qe_t, qe_scale, k, v, q_scale, k_scale, v_scale, row_ref, causal, dk, dv,
+             bias, p_mode) -> bool:
+    """Whether this kernel can compute the call (module docstring).  Arguments as
+    ``dkdv_backward``, then the call's bias and P mode."""
+    b, h, nq, d = q.shape
+    hkv, nk = k.shape[1], k.shape[2]
+    rows = (h * nq, nq, 1)
+    return (p_mode == "direct" and bias is None and d in (64, 128) and nq > 0 and nk > 0
+            and h % hkv == 0 and b * hkv < 65536  # the grid's second dimension
+            and q.dtype == k.dtype == torch.int8 and do.dtype == do_t.dtype == F.E5M2
+            and v.dtype == qe_t.dtype == F.E4M3
+            and all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (k, v))
+            and all(_tma_ready(t) for t in (q, do, do_t, qe_t))
+            and all(t.stride(0) == h * t.stride(1) for t in (do_t, qe_t))  # [B*H, D, N] views
+            and all(t.stride() == rows for t in (delta, q_scale, row_ref))  # indexed (b H + h) Nq + row
+            and all(t.is_contiguous() for t in (qe_scale, k_scale, v_scale, do_scale))
+            and dk.stride() == dv.stride() and all(st >= 0 for st in dk.stride()) and b * h * nq < 2**31
+            # dK/dV offsets within a batch are 32-bit (the batch's is 64)
+            and sum((n - 1) * st for n, st in zip(dk.shape[1:], dk.stride()[1:])) < 2**31)
+
+
+def dkdv_backward(do, do_t, do_scale, delta, q, qe_t, qe_scale, k, v, q_scale, k_scale, v_scale, row_ref, causal,
+                  dk, dv):
+    """dK, dV into ``dk``, ``dv`` [B, Hkv, Nk, D] (one stride set for both).  ``v`` is V
+    row-major [B, Hkv, Nk, D]; ``do_t``, ``qe_t`` token-major; the rest as
+    ``reference.attention_backward``, float32 scales and rows.  Prototype: not yet run on
+    a GPU."""
+    b, h, nq, d = q.shape
+    hkv, nk = k.shape[1], k.shape[2]
+    kv_block, q_block = [1, 1, BN_WG, d], [1, 1, BM, d]
+    k_desc = TensorDescriptor.from_tensor(k, kv_block, _layout(kv_block, gl.int8))
+    v_desc = TensorDescriptor.from_tensor(v, kv_block, _layout(kv_block, gl.float8e4nv))
+    q_desc = TensorDescriptor.from_tensor(q, q_block, _layout(q_block, gl.int8))
+    do_desc = TensorDescriptor.from_tensor(do, q_block, _layout(q_block, gl.float8e5))
+    _dkdv_ws[(triton.cdiv(nk, BLOCK_N), b * hkv)](
+        k_desc, v_desc, q_desc, do_desc, _token_major_desc(do_t, d, gl.float8e5),
+        _token_major_desc(qe_t, d, gl.float8e4nv),
+        q_scale, k_scale, v_scale, do_scale, qe_scale, delta, row_ref, dk, dv,
+        *dk.stride(), k_scale.stride(1), qe_scale.stride(1), h, hkv, nq, nk,
+        HEAD_DIM=d, CAUSAL=bool(causal), **_CONSTEXPRS, **_LAUNCH)
+
+
+def compile_for_sm90(d: int, causal: bool):
+    """Compile without a GPU (Triton's bundled ptxas), for inspection: the compiled kernel."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    def desc(dt, block, dtype):
+        return f"tensordesc<{dt}[{', '.join(map(str, block))}],{_layout(block, dtype)!r}>"
+
+    sig = {"k_desc": desc("i8", [1, 1, BN_WG, d], gl.int8), "v_desc": desc("fp8e4nv", [1, 1, BN_WG, d], gl.float8e4nv),
+           "q_desc": desc("i8", [1, 1, BM, d], gl.int8), "do_desc": desc("fp8e5", [1, 1, BM, d], gl.float8e5),
+           "dot_desc": desc("fp8e5", [1, d, BM], gl.float8e5), "qet_desc": desc("fp8e4nv", [1, d, BM], gl.float8e4nv),
+           "dk_ptr": "*bf16", "dv_ptr": "*bf16"}
+    for name in ("qs_ptr", "ks_ptr", "vs_ptr", "dos_ptr", "qes_ptr", "delta_ptr", "ref_ptr"):
+        sig[name] = "*fp32"
+    consts = dict(HEAD_DIM=d, CAUSAL=causal, **_CONSTEXPRS)
+    for name in _dkdv_ws.arg_names:
+        sig.setdefault(name, "constexpr" if name in consts else "i32")
+    src = GluonASTSource(_dkdv_ws, sig, constexprs=consts)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=_LAUNCH)
