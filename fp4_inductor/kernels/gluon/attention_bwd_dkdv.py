@@ -89,21 +89,43 @@ def _tile(c, s, dp, keys, qs_ptr, delta_ptr, ref_ptr, dos_ptr, qes_ptr, b, kv_he
 
 
 @gluon.jit
-def _products(dv, part, p8, ds8, dot_buf, qet_buf, HEAD_DIM: gl.constexpr, BM: gl.constexpr):
-    """Issue Pᵀ·dO into dV and dSᵀ·Qe into the dK part, asynchronously."""
+def _products(dv, dv_part, part, p8, ds8, dot_buf, qet_buf, HEAD_DIM: gl.constexpr, BM: gl.constexpr,
+              DV_SPLIT: gl.constexpr):
+    """Issue Pᵀ·dO and dSᵀ·Qe (into the dK part) asynchronously: Pᵀ·dO into its own part
+    (DV_SPLIT), else into dV itself (returned as the part)."""
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dv.type.layout, k_width=4)
-    dv = warpgroup_mma(gl.convert_layout(p8, a_layout), dot_buf.reshape([HEAD_DIM, BM]).permute((1, 0)), dv,
-                       use_acc=True, is_async=True)
+    pa = gl.convert_layout(p8, a_layout)
+    dot = dot_buf.reshape([HEAD_DIM, BM]).permute((1, 0))
+    if DV_SPLIT:
+        dv_part = warpgroup_mma(pa, dot, dv_part, use_acc=False, is_async=True)
+    else:
+        dv_part = warpgroup_mma(pa, dot, dv, use_acc=True, is_async=True)
     part = warpgroup_mma(gl.convert_layout(ds8, a_layout), qet_buf.reshape([HEAD_DIM, BM]).permute((1, 0)), part,
                          use_acc=False, is_async=True)
-    return dv, part
+    return dv_part, part
+
+
+@gluon.jit
+def _accumulate(dk, dv, dv_part, part, scale, c, dos_ptr, b, kv_head, H, GROUP, n_q, DV_SPLIT: gl.constexpr):
+    """Tile c's finished products join dK and dV: the dK part with its tile's scale; the
+    dV part with its head's dO scale (DV_SPLIT), else dV (accumulated in place in units
+    of that scale) is moved to the next tile's head's units where the head changes."""
+    dk = dk + part * scale
+    head = kv_head * GROUP + c // n_q
+    if DV_SPLIT:
+        dv = dv + dv_part * gl.load(dos_ptr + b * H + head)
+    else:
+        dv = dv_part
+        if ((c + 1) % n_q == 0) & (c + 1 < GROUP * n_q):
+            dv = dv * gl.div_rn(gl.load(dos_ptr + b * H + head), gl.load(dos_ptr + b * H + head + 1))
+    return dk, dv
 
 
 @gluon.jit
 def _consumer(qs_ptr, delta_ptr, ref_ptr, dos_ptr, vs_ptr, qes_ptr, dk_ptr, dv_ptr, smem, bars, out_strides,
               stride_qes, ks, b, kv_head, H, GROUP, k0, j_lo, n_q, NQ, NK,
               WG: gl.constexpr, HEAD_DIM: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
-              STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+              STAGES: gl.constexpr, CAUSAL: gl.constexpr, DV_SPLIT: gl.constexpr):
     k_smem, v_smem, q_bufs, do_bufs, dot_bufs, qet_bufs = smem
     kv_bar, q_ready, q_empty, t_ready, t_empty, turn = bars
     nw: gl.constexpr = gl.num_warps()
@@ -133,6 +155,7 @@ def _consumer(qs_ptr, delta_ptr, ref_ptr, dos_ptr, vs_ptr, qes_ptr, dk_ptr, dv_p
         p8, ds8, scale = _tile(0, s, dp, keys, qs_ptr, delta_ptr, ref_ptr, dos_ptr, qes_ptr, b, kv_head, H, GROUP,
                                j_lo, n_q, NQ, NK, ks, v_scale, stride_qes, BM, CAUSAL)
         part = gl.zeros([BN, HEAD_DIM], gl.float32, o_layout)
+        dv_part = gl.zeros([BN, HEAD_DIM], gl.float32, o_layout)
         for c in range(1, n_steps):
             stage = c % STAGES
             prev = (c - 1) % STAGES
@@ -143,27 +166,27 @@ def _consumer(qs_ptr, delta_ptr, ref_ptr, dos_ptr, vs_ptr, qes_ptr, dk_ptr, dv_p
             dp = warpgroup_mma(v_op, do_bufs.index(stage).reshape([BM, HEAD_DIM]).permute((1, 0)),
                                gl.zeros([BN, BM], gl.float32, s_layout), use_acc=False, is_async=True)
             mbarrier.wait(t_ready.index(prev), ((c - 1) // STAGES) & 1)
-            dv, part = _products(dv, part, p8, ds8, dot_bufs.index(prev), qet_bufs.index(prev), HEAD_DIM, BM)
+            dv_part, part = _products(dv, dv_part, part, p8, ds8, dot_bufs.index(prev), qet_bufs.index(prev),
+                                      HEAD_DIM, BM, DV_SPLIT)
             mbarrier.arrive(turn.index(1 - WG))
             s, dp = warpgroup_mma_wait(2, deps=(s, dp))
             mbarrier.arrive(q_empty.index(stage))
             p8_new, ds8_new, scale_new = _tile(c, s, dp, keys, qs_ptr, delta_ptr, ref_ptr, dos_ptr, qes_ptr, b,
                                                kv_head, H, GROUP, j_lo, n_q, NQ, NK, ks, v_scale, stride_qes, BM,
                                                CAUSAL)
-            dv, part = warpgroup_mma_wait(0, deps=(dv, part))
+            dv_part, part = warpgroup_mma_wait(0, deps=(dv_part, part))
             mbarrier.arrive(t_empty.index(prev))
-            dk = dk + part * scale
-            if c % n_q == 0:  # tile c starts the group's next head: dV into its dO scale's units
-                head = kv_head * GROUP + c // n_q
-                dv = dv * gl.div_rn(gl.load(dos_ptr + b * H + head - 1), gl.load(dos_ptr + b * H + head))
+            dk, dv = _accumulate(dk, dv, dv_part, part, scale, c - 1, dos_ptr, b, kv_head, H, GROUP, n_q, DV_SPLIT)
             p8, ds8, scale = p8_new, ds8_new, scale_new
         last = (n_steps - 1) % STAGES
         mbarrier.wait(t_ready.index(last), ((n_steps - 1) // STAGES) & 1)
-        dv, part = _products(dv, part, p8, ds8, dot_bufs.index(last), qet_bufs.index(last), HEAD_DIM, BM)
-        dv, part = warpgroup_mma_wait(0, deps=(dv, part))
+        dv_part, part = _products(dv, dv_part, part, p8, ds8, dot_bufs.index(last), qet_bufs.index(last), HEAD_DIM,
+                                  BM, DV_SPLIT)
+        dv_part, part = warpgroup_mma_wait(0, deps=(dv_part, part))
         mbarrier.arrive(t_empty.index(last))
-        dk = dk + part * scale
-        dv = dv * gl.load(dos_ptr + b * H + kv_head * GROUP + GROUP - 1)
+        dk, dv = _accumulate(dk, dv, dv_part, part, scale, n_steps - 1, dos_ptr, b, kv_head, H, GROUP, n_q, DV_SPLIT)
+        if not DV_SPLIT:  # from the last head's units
+            dv = dv * gl.load(dos_ptr + b * H + kv_head * GROUP + GROUP - 1)
 
     rows = k0 + WG * BN + gl.arange(0, BN, gl.SliceLayout(1, o_layout))
     cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, o_layout))
@@ -202,7 +225,7 @@ def _producer(k_desc, v_desc, q_desc, do_desc, dot_desc, qet_desc, smem, bars, b
 def _dkdv_ws(k_desc, v_desc, q_desc, do_desc, dot_desc, qet_desc, qs_ptr, ks_ptr, vs_ptr, dos_ptr, qes_ptr,
              delta_ptr, ref_ptr, dk_ptr, dv_ptr, stride_kb, stride_kh, stride_kn, stride_kd, stride_ksb, stride_qes,
              H, HKV, NQ, NK,
-             HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+             HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, DV_SPLIT: gl.constexpr,
              CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     BN: gl.constexpr = k_desc.block_type.shape[2]
     BM: gl.constexpr = q_desc.block_type.shape[2]
@@ -244,10 +267,10 @@ def _dkdv_ws(k_desc, v_desc, q_desc, do_desc, dot_desc, qet_desc, qs_ptr, ks_ptr
     gl.warp_specialize([
         (_consumer, (qs_ptr, delta_ptr, ref_ptr, dos_ptr, vs_ptr, qes_ptr, dk_ptr, dv_ptr, smem, bars, out_strides,
                      stride_qes, ks, b, kv_head, H, GROUP, k0, j_lo, n_q, NQ, NK, 0, HEAD_DIM, BM, BN, STAGES,
-                     CAUSAL)),
+                     CAUSAL, DV_SPLIT)),
         (_consumer, (qs_ptr, delta_ptr, ref_ptr, dos_ptr, vs_ptr, qes_ptr, dk_ptr, dv_ptr, smem, bars, out_strides,
                      stride_qes, ks, b, kv_head, H, GROUP, k0, j_lo, n_q, NQ, NK, 1, HEAD_DIM, BM, BN, STAGES,
-                     CAUSAL)),
+                     CAUSAL, DV_SPLIT)),
         (_producer, (k_desc, v_desc, q_desc, do_desc, dot_desc, qet_desc, smem, bars, b, kv_head, H, GROUP, k0, j_lo,
                      n_q, BM, BN, STAGES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -257,7 +280,9 @@ def _layout(block, dtype):
     return gl.NVMMASharedLayout.get_default_for(block, dtype)
 
 
-_CONSTEXPRS = dict(STAGES=NUM_STAGES, CONSUMER_REGS=240, PRODUCER_REGS=24)
+# DV_SPLIT: dV summed per tile in float32 (as the Triton kernel; 64 more registers at
+# D=128) instead of in place on the tensor cores (fp8-wgmma accumulation precision).
+_CONSTEXPRS = dict(STAGES=NUM_STAGES, DV_SPLIT=False, CONSUMER_REGS=240, PRODUCER_REGS=24)
 _LAUNCH = dict(num_warps=4, maxnreg=168)  # 12 warps share the register file
 
 
@@ -311,7 +336,7 @@ def dkdv_backward(do, do_t, do_scale, delta, q, qe_t, qe_scale, k, v, q_scale, k
         HEAD_DIM=d, CAUSAL=bool(causal), **_CONSTEXPRS, **_LAUNCH)
 
 
-def compile_for_sm90(d: int, causal: bool):
+def compile_for_sm90(d: int, causal: bool, dv_split: bool = False):
     """Compile without a GPU (Triton's bundled ptxas), for inspection: the compiled kernel."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -325,7 +350,7 @@ def compile_for_sm90(d: int, causal: bool):
            "dk_ptr": "*bf16", "dv_ptr": "*bf16"}
     for name in ("qs_ptr", "ks_ptr", "vs_ptr", "dos_ptr", "qes_ptr", "delta_ptr", "ref_ptr"):
         sig[name] = "*fp32"
-    consts = dict(HEAD_DIM=d, CAUSAL=causal, **_CONSTEXPRS)
+    consts = dict(_CONSTEXPRS, HEAD_DIM=d, CAUSAL=causal, DV_SPLIT=dv_split)
     for name in _dkdv_ws.arg_names:
         sig.setdefault(name, "constexpr" if name in consts else "i32")
     src = GluonASTSource(_dkdv_ws, sig, constexprs=consts)
