@@ -6,8 +6,9 @@
    FA3 grid (B * N = 16384, H * D = 2048): device time per kernel, so the backward's
    preparation (dO quantization, delta, E4M3 views of Q and K, token-major copies) is
    seen next to the two backward kernels;
-2. the preparation alone and the backward kernels alone, per (num_warps, num_stages)
-   configuration, as do_bench medians.
+2. the preparation alone and the Triton backward kernels alone, per (num_warps,
+   num_stages) configuration, then what ``kernels.backward_kernel`` runs (the Gluon
+   kernels where they apply), as do_bench medians.
 Writes explore_backward.json into --out-dir (default benchmarks/results).
 """
 
@@ -26,7 +27,7 @@ from triton.testing import do_bench  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common as C  # noqa: E402
 
-from fp4_inductor import ops  # noqa: E402
+from fp4_inductor import kernels, ops  # noqa: E402
 from fp4_inductor.attention import backward_inputs, lowp_attention  # noqa: E402
 from fp4_inductor.kernels.triton import attention_bwd as AB  # noqa: E402
 
@@ -94,6 +95,9 @@ def main():
                 result["timings"].append({"d": d, "n": n, "config": cfg, "ms": ms, "tflops": flops / ms * 1e-9})
                 print(f"  kernels {cfg}: {ms:.3f} ms, {flops / ms * 1e-9:.0f} TFLOP/s (2.5x forward FLOPs)",
                       flush=True)
+            ms = do_bench(lambda: kernels.backward_kernel(bargs[3], "direct")(*bargs), return_mode="median")
+            result["timings"].append({"d": d, "n": n, "what": "backward_kernel", "ms": ms, "tflops": flops / ms * 1e-9})
+            print(f"  backward_kernel (Gluon where it applies): {ms:.3f} ms, {flops / ms * 1e-9:.0f} TFLOP/s", flush=True)
     os.makedirs(args.out_dir, exist_ok=True)
     with open(os.path.join(args.out_dir, "explore_backward.json"), "w") as f:
         json.dump(result, f, indent=1, default=str)
