@@ -29,7 +29,7 @@ def launched(monkeypatch):
         return types.SimpleNamespace(attention_forward=attention_forward, supports=supports)
 
     monkeypatch.setattr(kernels, "_module", module)
-    monkeypatch.setattr(kernels, "_gluon_failed", False)
+    monkeypatch.setattr(kernels, "_gluon_failed", set())
     return calls
 
 
@@ -75,12 +75,12 @@ def test_gluon_dq_failure_leaves_dq_to_triton_once(monkeypatch):
     in_scope = {"value": False}
     gluon = types.SimpleNamespace(supports=lambda *args: in_scope["value"], dq_backward=dq_backward)
     monkeypatch.setattr(kernels, "_module", lambda family, name: gluon)
-    monkeypatch.setattr(kernels, "_gluon_bwd_failed", set())
+    monkeypatch.setattr(kernels, "_gluon_failed", set())
     args = (None,) * 14
     assert kernels._gluon_dq(*args, bias=None, p_mode="direct") is False
     assert calls == []
     in_scope["value"] = True
-    with pytest.warns(RuntimeWarning, match="Gluon kernel attention_bwd_dq failed"):
+    with pytest.warns(RuntimeWarning, match="Gluon dQ kernel failed"):
         assert kernels._gluon_dq(*args, bias=None, p_mode="direct") is False
     assert kernels._gluon_dq(*args, bias=None, p_mode="direct") is False  # remembered: no second warning
     assert calls == ["gluon"]

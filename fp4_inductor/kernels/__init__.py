@@ -74,22 +74,33 @@ def forward_kernel(q: torch.Tensor, p_mode: str):
 # (decode, chunked prefill) it is unmeasured, so those calls stay on Triton.  Its exp mode
 # (the Direct-P ablation) measured slower than the Triton kernel's: exp stays on Triton.
 GLUON_MIN_KEYS = {False: 4096, True: 8192}
-_gluon_failed = False
+_gluon_failed: set[str] = set()  # Gluon modules whose launch failed once: not tried again
+
+
+def _run_gluon(module: str, what: str, launch: str, supports_args: tuple, args: tuple) -> bool:
+    """``kernels.gluon.<module>.<launch>(*args)`` where its ``supports(*supports_args)``
+    holds; False leaves the call to the Triton kernel.  Gluon is experimental (an API
+    change fails at compile time): a failure warns once and is remembered."""
+    gluon = None if module in _gluon_failed else _module("gluon", module)
+    if gluon is None or not gluon.supports(*supports_args):
+        return False
+    try:
+        getattr(gluon, launch)(*args)
+        return True
+    except Exception as err:
+        _gluon_failed.add(module)
+        warnings.warn(f"fp4attn Gluon {what} kernel failed ({err!r}); using the Triton kernel", RuntimeWarning,
+                      stacklevel=3)
+        return False
 
 
 def _forward(q, k, v_t, q_scale, k_scale, v_scale, bias, causal, p_mode, out, lse, row_ref):
-    global _gluon_failed
     args = (q, k, v_t, q_scale, k_scale, v_scale, bias, causal, p_mode, out, lse, row_ref)
-    gluon = None if _gluon_failed else _module("gluon", "attention_fwd")
-    if gluon is not None and p_mode == "direct" and min(q.shape[2], k.shape[2]) >= GLUON_MIN_KEYS[bool(causal)] \
-            and gluon.supports(q, k, v_t, q_scale, bias, p_mode, lse, row_ref):
-        try:
-            return gluon.attention_forward(*args)
-        except Exception as err:  # Gluon is experimental: an API change fails at compile time
-            _gluon_failed = True
-            warnings.warn(f"fp4attn Gluon forward kernel failed ({err!r}); using the Triton kernel",
-                          RuntimeWarning, stacklevel=2)
-    return _module("triton", "attention_fwd").attention_forward(*args)
+    if p_mode == "direct" and min(q.shape[2], k.shape[2]) >= GLUON_MIN_KEYS[bool(causal)] \
+            and _run_gluon("attention_fwd", "forward", "attention_forward",
+                           (q, k, v_t, q_scale, bias, p_mode, lse, row_ref), args):
+        return
+    _module("triton", "attention_fwd").attention_forward(*args)
 
 
 def backward_kernel(q: torch.Tensor, p_mode: str):
@@ -107,37 +118,19 @@ def backward_kernel(q: torch.Tensor, p_mode: str):
     return _backward if _module("triton", "attention_bwd") is not None else None
 
 
-_gluon_bwd_failed: set[str] = set()  # Gluon backward modules that failed once
-
-
-def _gluon_backward(module: str, launch: str, supports_args: tuple, args: tuple) -> bool:
-    """Run ``kernels.gluon.<module>.<launch>(*args)`` where its ``supports(*supports_args)``
-    holds; False leaves the work to the Triton kernel (a failure warns once)."""
-    gluon = None if module in _gluon_bwd_failed else _module("gluon", module)
-    if gluon is None or not gluon.supports(*supports_args):
-        return False
-    try:
-        getattr(gluon, launch)(*args)
-        return True
-    except Exception as err:  # Gluon is experimental: an API change fails at compile time
-        _gluon_bwd_failed.add(module)
-        warnings.warn(f"fp4attn Gluon kernel {module} failed ({err!r}); using the Triton kernel", RuntimeWarning,
-                      stacklevel=2)
-        return False
-
-
 def _gluon_dq(do, do_scale, delta, q, k, v, q_scale, k_scale, v_scale, ke_t, ke_scale, row_ref, causal, dq,
               bias, p_mode) -> bool:
-    return _gluon_backward("attention_bwd_dq", "dq_backward",
-                           (do, delta, q, k, v, q_scale, ke_t, k_scale, ke_scale, row_ref, bias, p_mode, dq),
-                           (do, do_scale, delta, q, k, v, q_scale, k_scale, v_scale, ke_t, ke_scale, row_ref, causal,
-                            dq))
+    """dQ by the Gluon kernel where it applies; False leaves it to the Triton kernel."""
+    return _run_gluon("attention_bwd_dq", "dQ", "dq_backward",
+                      (do, delta, q, k, v, q_scale, ke_t, k_scale, ke_scale, row_ref, bias, p_mode, dq),
+                      (do, do_scale, delta, q, k, v, q_scale, k_scale, v_scale, ke_t, ke_scale, row_ref, causal, dq))
 
 
 def _gluon_dkdv(do, do_t, do_scale, delta, q, qe_t, qe_scale, k, v, q_scale, k_scale, v_scale, row_ref, causal, dk,
                 dv, bias, p_mode) -> bool:
+    """dK and dV by the Gluon kernel where it applies; False leaves them to the Triton kernel."""
     args = (do, do_t, do_scale, delta, q, qe_t, qe_scale, k, v, q_scale, k_scale, v_scale, row_ref, causal, dk, dv)
-    return _gluon_backward("attention_bwd_dkdv", "dkdv_backward", args + (bias, p_mode), args)
+    return _run_gluon("attention_bwd_dkdv", "dK/dV", "dkdv_backward", args + (bias, p_mode), args)
 
 
 def _backward(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale, qe, qe_scale, ke, ke_scale, bias, row_ref,

@@ -37,7 +37,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ... import formats as F
 from .attention_bwd_dq import _tma_ready
-from .attention_fwd import _e4m3, _fma_sat, _mul_rn
+from .attention_fwd import _e4m3, _fma_sat, _layout, _mul_rn, _ping_pong_barriers
 
 BLOCK_N = F.KEY_TILE  # keys per program: one K scale block
 BN_WG = BLOCK_N // 2  # keys per consumer warpgroup = one dS tile's keys
@@ -245,24 +245,9 @@ def _dkdv_ws(k_desc, v_desc, q_desc, do_desc, dot_desc, qet_desc, qs_ptr, ks_ptr
     do_bufs = gl.allocate_shared_memory(do_desc.dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
     dot_bufs = gl.allocate_shared_memory(dot_desc.dtype, [STAGES] + dot_desc.block_type.shape, dot_desc.layout)
     qet_bufs = gl.allocate_shared_memory(qet_desc.dtype, [STAGES] + qet_desc.block_type.shape, qet_desc.layout)
-    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    t_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    t_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(kv_bar, count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(q_ready.index(i), count=1)
-        mbarrier.init(t_ready.index(i), count=1)
-        mbarrier.init(q_empty.index(i), count=2)  # both consumer warpgroups release a stage
-        mbarrier.init(t_empty.index(i), count=2)
-    mbarrier.init(turn.index(0), count=1)
-    mbarrier.init(turn.index(1), count=1)
-    mbarrier.arrive(turn.index(0))  # warpgroup 0 issues first
+    bars = _ping_pong_barriers(STAGES)  # (kv_bar, q_ready, q_empty, t_ready, t_empty, turn)
 
     smem = (k_smem, v_smem, q_bufs, do_bufs, dot_bufs, qet_bufs)
-    bars = (kv_bar, q_ready, q_empty, t_ready, t_empty, turn)
     out_strides = (stride_kb, stride_kh, stride_kn, stride_kd)
     gl.warp_specialize([
         (_consumer, (qs_ptr, delta_ptr, ref_ptr, dos_ptr, vs_ptr, qes_ptr, dk_ptr, dv_ptr, smem, bars, out_strides,
@@ -274,10 +259,6 @@ def _dkdv_ws(k_desc, v_desc, q_desc, do_desc, dot_desc, qet_desc, qs_ptr, ks_ptr
         (_producer, (k_desc, v_desc, q_desc, do_desc, dot_desc, qet_desc, smem, bars, b, kv_head, H, GROUP, k0, j_lo,
                      n_q, BM, BN, STAGES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
-
-
-def _layout(block, dtype):
-    return gl.NVMMASharedLayout.get_default_for(block, dtype)
 
 
 # DV_SPLIT: dV summed per tile in float32 (as the Triton kernel; 64 more registers at

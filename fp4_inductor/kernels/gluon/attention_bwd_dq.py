@@ -31,20 +31,13 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ... import formats as F
-from .attention_fwd import _e4m3, _fma_sat, _key_order, _mul_rn, _p_operand
+from .attention_fwd import (_e4m3, _layout, _p_operand, _ping_pong_barriers, _probability, _program_tiles,
+                            _scores)
 
 BLOCK_N = F.KEY_TILE
 BM_WG = F.DS_TILE_DQ[0]  # query rows per consumer warpgroup = one dS tile's rows
 assert F.DS_TILE_DQ == (64, BLOCK_N)
 NUM_STAGES = 2
-
-
-@gluon.jit
-def _probability(x, r):
-    """Direct-P values against the row reference ``r`` (the forward's codes), float32."""
-    z = _fma_sat(x, 0.03125, ((120.0 - 8.0 * r) * 0.00390625)[:, None])
-    codes = (z + 32768.0).to(gl.int32, bitcast=True).to(gl.uint8)
-    return codes.to(gl.float8e4nv, bitcast=True).to(gl.float32)
 
 
 @gluon.jit
@@ -57,18 +50,6 @@ def _ds_operand(p, dp, delta, dov_scale):
     inv = gl.div_rn(1.0, ds_scale)
     ds8 = _e4m3(gl.minimum(gl.maximum(ds * inv, -448.0), 448.0)).to(gl.float8e4nv, bitcast=True)
     return ds8, ds_scale
-
-
-@gluon.jit
-def _scores(s, row_t, ks_ptr, j, rows, NK, BN: gl.constexpr, CAUSAL: gl.constexpr, MASKED: gl.constexpr):
-    x = _mul_rn(s.to(gl.float32), (row_t * gl.load(ks_ptr + j))[:, None])
-    if MASKED:  # keys past NK and (causal) after the row
-        keys = j * BN + _key_order(BN, gl.SliceLayout(0, s.type.layout))
-        ok = (keys < NK)[None, :]
-        if CAUSAL:
-            ok = ok & (keys[None, :] <= rows[:, None])
-        x = gl.where(ok, x, float("-inf"))
-    return x
 
 
 @gluon.jit
@@ -96,7 +77,7 @@ def _step(j, state, q, do, rows, row_t, r, delta, dov_scale, ks_ptr, kes_ptr, NK
     mbarrier.arrive(turn.index(1 - WG))
     s, dp = warpgroup_mma_wait(1, deps=(s, dp))
     mbarrier.arrive(kv_empty.index(stage))
-    p = _probability(_scores(s, row_t, ks_ptr, j, rows, NK, BN, CAUSAL, MASKED), r)
+    p = _probability(_scores(s, row_t, ks_ptr, j, rows, NK, BN, CAUSAL, MASKED), r, False).to(gl.float32)
     ds8_new, ds_scale_new = _ds_operand(p, dp, delta, dov_scale)
     part = warpgroup_mma_wait(0, deps=(part,))
     mbarrier.arrive(ke_empty.index(prev))
@@ -139,7 +120,7 @@ def _consumer(qs_ptr, ks_ptr, kes_ptr, delta_ptr, ref_ptr, dq_ptr, smem, bars, d
     mbarrier.arrive(turn.index(1 - WG))
     s, dp = warpgroup_mma_wait(0, deps=(s, dp))
     mbarrier.arrive(kv_empty.index(0))
-    p = _probability(_scores(s, row_t, ks_ptr, 0, rows, NK, BN, CAUSAL, True), r)
+    p = _probability(_scores(s, row_t, ks_ptr, 0, rows, NK, BN, CAUSAL, True), r, False).to(gl.float32)
     ds8, ds_scale = _ds_operand(p, dp, delta, dov_scale)
     state = (gl.zeros([BM, HEAD_DIM], gl.float32, o_layout), gl.zeros([BM, HEAD_DIM], gl.float32, o_layout),
              ds8, ds_scale)
@@ -195,43 +176,16 @@ def _dq_ws(q_desc, do_desc, k_desc, v_desc, ke_desc, qs_ptr, ks_ptr, kes_ptr, do
            HEAD_DIM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
            CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     BM: gl.constexpr = q_desc.block_type.shape[2]
-    # Causal: the last query rows walk the most key tiles; launch them first.
-    pid_m = gl.num_programs(0) - 1 - gl.program_id(0) if CAUSAL else gl.program_id(0)
-    start_m = pid_m * 2 * BM
-    bh = gl.program_id(1)
-    kv_head = bh // GROUP
-    # Tiles 1 .. n_full - 1 need no mask (as the forward's); both warpgroups walk the same tiles.
-    if CAUSAL:
-        n_tiles = gl.cdiv(gl.minimum(NK, start_m + 2 * BM), BN)
-        n_full = gl.maximum(gl.minimum(NK, start_m) // BN, 1)
-    else:
-        n_tiles = gl.cdiv(NK, BN)
-        n_full = gl.maximum(NK // BN, 1)
-
+    start_m, bh, kv_head, n_tiles, n_full = _program_tiles(NK, GROUP, BM, BN, CAUSAL)
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
     do_smem = gl.allocate_shared_memory(do_desc.dtype, [2] + do_desc.block_type.shape, do_desc.layout)
     k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
     ke_bufs = gl.allocate_shared_memory(ke_desc.dtype, [STAGES] + ke_desc.block_type.shape, ke_desc.layout)
-    in_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    ke_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    ke_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(in_bar, count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(kv_ready.index(i), count=1)
-        mbarrier.init(ke_ready.index(i), count=1)
-        mbarrier.init(kv_empty.index(i), count=2)  # both consumer warpgroups release a stage
-        mbarrier.init(ke_empty.index(i), count=2)
-    mbarrier.init(turn.index(0), count=1)
-    mbarrier.init(turn.index(1), count=1)
-    mbarrier.arrive(turn.index(0))  # warpgroup 0 issues first
+    bars = _ping_pong_barriers(STAGES)  # (in_bar, kv_ready, kv_empty, ke_ready, ke_empty, turn)
 
     dov_scale = gl.load(dos_ptr + bh) * gl.load(vs_ptr + kv_head)
     smem = (q_smem, do_smem, k_bufs, v_bufs, ke_bufs)
-    bars = (in_bar, kv_ready, kv_empty, ke_ready, ke_empty, turn)
     dq_strides = (stride_dqb, stride_dqh, stride_dqm, stride_dqd)
     ks_head = ks_ptr + kv_head * stride_ksb
     kes_head = kes_ptr + kv_head * stride_ksb
@@ -243,10 +197,6 @@ def _dq_ws(q_desc, do_desc, k_desc, v_desc, ke_desc, qs_ptr, ks_ptr, kes_ptr, do
         (_producer, (q_desc, do_desc, k_desc, v_desc, ke_desc, smem, bars, bh, H, start_m, kv_head, n_tiles, NK, BM,
                      BN, STAGES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
-
-
-def _layout(block, dtype):
-    return gl.NVMMASharedLayout.get_default_for(block, dtype)
 
 
 def _permuted_rows(t, d, dtype):

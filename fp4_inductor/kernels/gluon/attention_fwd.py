@@ -262,44 +262,60 @@ def _producer(q_desc, k_desc, v_desc, smem, bars, bh, start_m, kv_head, n_tiles,
 
 
 @gluon.jit
-def _fwd_ws(q_desc, k_desc, v_desc, qs_ptr, ks_ptr, vs_ptr, out_ptr, lse_ptr, ref_ptr,
-            stride_ob, stride_oh, stride_om, stride_od, stride_rb, stride_rm, stride_ksb,
-            H, GROUP, NQ, NK,
-            HEAD_DIM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-            EXP: gl.constexpr, LIFT: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
-    BM: gl.constexpr = q_desc.block_type.shape[1]
-    # Causal: the last query rows walk the most key tiles; launch them first.
+def _program_tiles(NK, GROUP, BM: gl.constexpr, BN: gl.constexpr, CAUSAL: gl.constexpr):
+    """A program's first query row (two warpgroups of BM rows), (batch, head), shared K/V
+    head (GQA/MQA: H is a multiple of GROUP), key tiles, and n_full: tiles 1 .. n_full - 1
+    need no mask, being wholly inside the keys and (causal) at or below the diagonal of
+    the program's first row.  Both warpgroups walk the same tiles.  Causal: the last query
+    rows walk the most key tiles, so they launch first."""
     pid_m = gl.num_programs(0) - 1 - gl.program_id(0) if CAUSAL else gl.program_id(0)
     start_m = pid_m * 2 * BM
     bh = gl.program_id(1)
-    kv_head = bh // GROUP  # GQA/MQA: the shared K/V head (H is a multiple of GROUP)
-    # Tiles 1 .. n_full - 1 need no mask: wholly inside the keys and (causal) at or below
-    # the diagonal of the program's first row.  Both warpgroups walk the same tiles.
     if CAUSAL:
         n_tiles = gl.cdiv(gl.minimum(NK, start_m + 2 * BM), BN)
         n_full = gl.maximum(gl.minimum(NK, start_m) // BN, 1)
     else:
         n_tiles = gl.cdiv(NK, BN)
         n_full = gl.maximum(NK // BN, 1)
+    return start_m, bh, bh // GROUP, n_tiles, n_full
 
+
+@gluon.jit
+def _ping_pong_barriers(STAGES: gl.constexpr):
+    """The mbarriers of a producer warp and two consumer warpgroups: one for the operands
+    loaded once per program; ready/empty pairs of two rings of STAGES slots (both
+    warpgroups release a slot); and the warpgroups' turns on the tensor cores, warpgroup 0
+    first.  Returned as (once, a_ready, a_empty, b_ready, b_empty, turn)."""
+    once = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    a_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    a_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    b_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    b_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(once, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(a_ready.index(i), count=1)
+        mbarrier.init(b_ready.index(i), count=1)
+        mbarrier.init(a_empty.index(i), count=2)
+        mbarrier.init(b_empty.index(i), count=2)
+    mbarrier.init(turn.index(0), count=1)
+    mbarrier.init(turn.index(1), count=1)
+    mbarrier.arrive(turn.index(0))
+    return once, a_ready, a_empty, b_ready, b_empty, turn
+
+
+@gluon.jit
+def _fwd_ws(q_desc, k_desc, v_desc, qs_ptr, ks_ptr, vs_ptr, out_ptr, lse_ptr, ref_ptr,
+            stride_ob, stride_oh, stride_om, stride_od, stride_rb, stride_rm, stride_ksb,
+            H, GROUP, NQ, NK,
+            HEAD_DIM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+            EXP: gl.constexpr, LIFT: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+    BM: gl.constexpr = q_desc.block_type.shape[1]
+    start_m, bh, kv_head, n_tiles, n_full = _program_tiles(NK, GROUP, BM, BN, CAUSAL)
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
     k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(k_ready.index(i), count=1)
-        mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=2)  # both consumer warpgroups release a stage
-        mbarrier.init(v_empty.index(i), count=2)
-    mbarrier.init(turn.index(0), count=1)
-    mbarrier.init(turn.index(1), count=1)
-    mbarrier.arrive(turn.index(0))  # warpgroup 0 issues first
+    bars = _ping_pong_barriers(STAGES)  # (q_bar, k_ready, k_empty, v_ready, v_empty, turn)
 
     # Ones for the row sums, [8, BN] K-major like V^T; written once, before the partitions.
     ones = gl.allocate_shared_memory(gl.float8e4nv, [ONES_N, BN],
@@ -310,7 +326,6 @@ def _fwd_ws(q_desc, k_desc, v_desc, qs_ptr, ks_ptr, vs_ptr, out_ptr, lse_ptr, re
     gl.thread_barrier()
 
     smem = (q_smem, k_bufs, v_bufs, ones)
-    bars = (q_bar, k_ready, k_empty, v_ready, v_empty, turn)
     out_strides = (stride_ob, stride_oh, stride_om, stride_od)
     row_strides = (stride_rb, stride_rm)
     ks_head = ks_ptr + kv_head * stride_ksb

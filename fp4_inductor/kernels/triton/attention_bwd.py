@@ -384,8 +384,9 @@ def attention_backward(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale
     v_scale, row_ref, causal, dk, dv)`` likewise for dK and dV.
     ``config`` overrides CONFIG; ``debug`` = (p, dp, ds) float32 [B, H, Nq, Nk] buffers
     receive the dK/dV kernel's P and dP (scaled) and the dQ kernel's dequantized dS
-    (tests; the dK/dV kernel's dS follows from its P and dP).  ``emulate=True`` runs the float32 emulation of the 8-bit
-    products (as under the interpreter) to tell a lowering problem from a formula one."""
+    (tests; the dK/dV kernel's dS follows from its P and dP).  ``emulate=True`` runs the
+    float32 emulation of the 8-bit products (as under the interpreter) to tell a
+    lowering problem from a formula one."""
     b, h, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
     if d not in (64, 128):
