@@ -4,7 +4,7 @@
 
 FlashAttention-3's grid (B * N = 16384, H * D = 2048), causal.  Rows, timed in the same
 run (triton do_bench medians):
-  - ours: ``lowp_attention`` with the backward kernels (FP4ATTN_BWD_KERNEL=1), the
+  - ours: ``lowp_attention`` with the backward kernels, the
     quantization of Q/K/V and dO included, eagerly ("ours-direct": dO's quantization and
     the backward's other preparation run as separate aten kernels) and under
     ``torch.compile`` ("ours-direct-compiled": Inductor fuses that preparation, as in a
@@ -21,19 +21,16 @@ of the three is the row's).  Writes benchmarks/results/training_h200.json and .p
 
 from __future__ import annotations
 
-import os
 import signal
 import traceback
 
-os.environ.setdefault("FP4ATTN_BWD_KERNEL", "1")
+import torch
 
-import torch  # noqa: E402
+import bench_attention as BA
+import common as C
 
-import bench_attention as BA  # noqa: E402
-import common as C  # noqa: E402
-
-from fp4_inductor import formats as F  # noqa: E402
-from fp4_inductor.attention import lowp_attention  # noqa: E402
+from fp4_inductor import formats as F
+from fp4_inductor.attention import lowp_attention
 
 PASSES = {"fwd+bwd": 3.5, "bwd": 2.5}
 # The compiled row specialises on each shape of the grid (14 by default).

@@ -19,10 +19,8 @@ import json
 import os
 import sys
 
-os.environ.setdefault("FP4ATTN_BWD_KERNEL", "1")
-
-import torch  # noqa: E402
-from triton.testing import do_bench  # noqa: E402
+import torch
+from triton.testing import do_bench
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common as C  # noqa: E402

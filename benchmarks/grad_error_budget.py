@@ -5,7 +5,7 @@ emulation: the kernels compute the same numbers).
 
 Gradients of ``lowp_attention`` (causal, Gaussian inputs) against float64 autograd of
 exact attention, rel-L2 of dQ, dK, dV, for variants of two format choices the issue
-leaves open: the dS scale blocks (``formats.DS_TILE_DQ`` and ``DS_TILE_DK``) and dO's format and scale
+leaves open: the dS scale blocks (``formats.DS_TILE_DQ`` and ``ds_tile_dk``) and dO's format and scale
 granularity (``formats.quantize_do``).  Variants patch ``formats`` for the duration of a
 run; the shipped formats are the first row.  Writes grad_error_budget.json into
 --out-dir (default benchmarks/results).
@@ -51,7 +51,7 @@ def _scaled_do(dtype, fmax, rows):
 
 
 VARIANTS = {  # name: (dS tile of both products, quantize_do); None keeps the shipped one
-    "shipped: dS 64x128 (dQ) and 64x64 (dK), dO E5M2 per head": (None, None),
+    "shipped: dS 64x128 (dQ) and by head dim (dK: 64x64 at D=64, 128x128 at D=128), dO E5M2 per head": (None, None),
     "dS 128x128": ((128, 128), None),
     "dS 64x64": ((64, 64), None),
     "dS 32x32": ((32, 32), None),
@@ -68,14 +68,15 @@ VARIANTS = {  # name: (dS tile of both products, quantize_do); None keeps the sh
 
 @contextlib.contextmanager
 def patched(ds_tile, quantize_do):
-    saved = F.DS_TILE_DQ, F.DS_TILE_DK, F.quantize_do
+    saved = F.DS_TILE_DQ, F.ds_tile_dk, F.quantize_do
     if ds_tile:
-        F.DS_TILE_DQ = F.DS_TILE_DK = ds_tile
+        F.DS_TILE_DQ = ds_tile
+        F.ds_tile_dk = lambda head_dim: ds_tile
     F.quantize_do = quantize_do or F.quantize_do
     try:
         yield
     finally:
-        F.DS_TILE_DQ, F.DS_TILE_DK, F.quantize_do = saved
+        F.DS_TILE_DQ, F.ds_tile_dk, F.quantize_do = saved
 
 
 def gradients(fn, inputs, dout):

@@ -5,8 +5,7 @@
 Shapes: N 256 .. 32k, B H 8 .. 512, D 64 and 128, causal on and off, inference and
 training (forward + backward).  Each shape runs both paths in the same process:
 BF16 (torch SDPA, what a fallback site runs) and fp8 (``lowp_attention``: the
-quantization op, the forward kernel and, in training, the backward kernel, enabled with
-FP4ATTN_BWD_KERNEL=1).  Times are the median of three
+quantization op, the forward kernel and, in training, the backward kernels).  Times are the median of three
 alternating rounds of triton do_bench medians.  The policy's pick is the cost
 model's (``policy.cost_model_decision``) over the shipped table for this GPU, which was
 measured by bench_attention.py, not by this script.  Targets (issue 5): the faster path
@@ -23,10 +22,8 @@ import os
 import statistics
 import sys
 
-os.environ.setdefault("FP4ATTN_BWD_KERNEL", "1")
-
-import torch  # noqa: E402
-from triton.testing import do_bench  # noqa: E402
+import torch
+from triton.testing import do_bench
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from fp4_inductor import policy  # noqa: E402

@@ -17,7 +17,6 @@ import argparse
 import datetime
 import json
 import math
-import os
 import statistics
 import sysconfig
 import time
@@ -28,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fp4_inductor
+from fp4_inductor import kernels
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -198,8 +198,8 @@ def main() -> None:
         "torch": torch.__version__,
         "config": {k: v for k, v in vars(args).items() if k != "out"},
         "corpus_bytes": data.numel(),
-        # the low-precision backward: the Triton kernel (opt-in) or the reference emulation
-        "backward": "kernel" if os.environ.get("FP4ATTN_BWD_KERNEL") == "1" else "reference emulation",
+        # the low-precision backward: the sm_90 kernels, or the reference emulation elsewhere
+        "backward": "kernels" if kernels.has_forward_kernel(torch.device("cuda")) else "reference emulation",
         "final_val_loss": final,
         "gap_vs_bf16": {arm: (loss - final["bf16"]) / final["bf16"] for arm, loss in final.items()} if "bf16" in final else {},
         "runs": runs,

@@ -117,7 +117,7 @@ def _check_ds_codes(ds_kernel, ds_unrounded, noise, tile):
 
 def check(ops, causal, p_mode, grads, dumps):
     do8, dos, delta, q8, k8, vt, qs, ks, vs, qe, qes, ke, kes, bias, row_ref = ops
-    h, hkv = q8.shape[1], k8.shape[1]
+    h, hkv, d = q8.shape[1], k8.shape[1], q8.shape[-1]
     for g in grads:
         assert not g.isnan().any(), "unwritten or NaN gradient"
     p_k, dp_k, ds_dq = dumps
@@ -140,9 +140,10 @@ def check(ops, causal, p_mode, grads, dumps):
     # From the kernel's own P: equal to the reference's but for exp's allowed flips (rule 1).
     ds_unrounded = p_k * (dp - delta[..., None])
     noise = p_k * (1e-3 * (do.abs() @ v.abs().transpose(-1, -2)) + 1e-5 * delta.abs()[..., None])
-    ds_dk = R.quantize_ds_tiles(p_k * (dp_k - delta[..., None]), F.DS_TILE_DK)
+    tile_dk = F.ds_tile_dk(d)
+    ds_dk = R.quantize_ds_tiles(p_k * (dp_k - delta[..., None]), tile_dk)
     _check_ds_codes(ds_dq, ds_unrounded, noise, F.DS_TILE_DQ)
-    _check_ds_codes(ds_dk, ds_unrounded, noise, F.DS_TILE_DK)
+    _check_ds_codes(ds_dk, ds_unrounded, noise, tile_dk)
 
     # 3. gradients = products of what the kernels multiplied
     kd = R._heads(F.dequantize_blockwise(ke, kes), h)

@@ -1,8 +1,9 @@
-"""Which kernel ``kernels.forward_kernel`` and the backward's dQ run (CPU: the kernel
+"""Which kernel ``kernels.forward_kernel`` and the backward's Gluon hooks run (CPU: the kernel
 modules are stand-ins)."""
 
 from __future__ import annotations
 
+import functools
 import types
 
 import pytest
@@ -63,24 +64,26 @@ def test_gluon_failure_falls_back_to_triton_once(launched):
     assert launched == ["break gluon", "triton", "triton"]
 
 
-def test_gluon_dq_failure_leaves_dq_to_triton_once(monkeypatch):
-    """A failing Gluon dQ warns once and returns False (the Triton dQ kernel then runs),
-    and is not tried again; outside its scope it is not tried at all."""
+@pytest.mark.parametrize("hook,launch,n_args,what", [("_gluon_dq", "dq_backward", 14, "dQ"),
+                                                     ("_gluon_dkdv", "dkdv_backward", 16, "dK/dV")])
+def test_gluon_backward_failure_leaves_it_to_triton_once(hook, launch, n_args, what, monkeypatch):
+    """A failing Gluon backward kernel warns once and returns False (the Triton kernel then
+    runs), and is not tried again; outside its scope it is not tried at all."""
     calls = []
 
-    def dq_backward(*args):
+    def backward(*args):
         calls.append("gluon")
         raise RuntimeError("compile error")
 
     in_scope = {"value": False}
-    gluon = types.SimpleNamespace(supports=lambda *args: in_scope["value"], dq_backward=dq_backward)
+    gluon = types.SimpleNamespace(supports=lambda *args: in_scope["value"], **{launch: backward})
     monkeypatch.setattr(kernels, "_module", lambda family, name: gluon)
     monkeypatch.setattr(kernels, "_gluon_failed", set())
-    args = (None,) * 14
-    assert kernels._gluon_dq(*args, bias=None, p_mode="direct") is False
+    run = functools.partial(getattr(kernels, hook), *(None,) * n_args, bias=None, p_mode="direct")
+    assert run() is False
     assert calls == []
     in_scope["value"] = True
-    with pytest.warns(RuntimeWarning, match="Gluon dQ kernel failed"):
-        assert kernels._gluon_dq(*args, bias=None, p_mode="direct") is False
-    assert kernels._gluon_dq(*args, bias=None, p_mode="direct") is False  # remembered: no second warning
+    with pytest.warns(RuntimeWarning, match=f"Gluon {what} kernel failed"):
+        assert run() is False
+    assert run() is False  # remembered: no second warning
     assert calls == ["gluon"]

@@ -105,15 +105,11 @@ def _forward(q, k, v_t, q_scale, k_scale, v_scale, bias, causal, p_mode, out, ls
 
 def backward_kernel(q: torch.Tensor, p_mode: str):
     """The sm_90 backward launcher, under the forward's conditions, else None: the Triton
-    dK/dV kernel, and for dQ the warp-specialised Gluon kernel where it covers the call
-    (``kernels.gluon.attention_bwd_dq.supports``), the Triton dQ kernel otherwise.
-
-    Opt-in (``FP4ATTN_BWD_KERNEL=1``): its GPU tests pass against the reference on the H200,
-    but at 47-233 TFLOP/s (causal fwd+bwd under torch.compile, D=128) it is 0.23-0.38x
-    FlashAttention-4 (benchmarks/results/training_h200.json), so BF16 SDPA is the faster
-    choice.
-    """
-    if os.environ.get("FP4ATTN_BWD_KERNEL", "0") != "1" or not _applies(q) or p_mode not in P_MODES:
+    kernels, with the warp-specialised Gluon kernels where they cover the call
+    (``kernels.gluon.attention_bwd_dq.supports`` for dQ, ``attention_bwd_dkdv.supports``
+    for dK/dV).  It computes the reference's numbers; whether it beats BF16 attention at a
+    shape is the policy's question (its cost table times both in training)."""
+    if not _applies(q) or p_mode not in P_MODES:
         return None
     return _backward if _module("triton", "attention_bwd") is not None else None
 

@@ -1,5 +1,4 @@
-"""Warp-specialised Hopper (sm_90) dK/dV kernel in Gluon, P mode ``direct`` (prototype:
-compiles for sm_90, not yet run on a GPU).
+"""Warp-specialised Hopper (sm_90) dK/dV kernel in Gluon, P mode ``direct``, D = 64.
 
 The dK/dV half of ``kernels/triton/attention_bwd.py`` in the Gluon dQ kernel's structure:
 one program per 128 keys of one K/V head (one K scale block), a producer warp streaming
@@ -11,19 +10,20 @@ of the gradient products).  Per tile j and warpgroup, on transposed tiles [keys,
   Sᵀ = K·Qᵀ (INT8, exact),  dPᵀ = V·dOᵀ (E4M3 × E5M2),
   Pᵀ = Direct-P codes against the forward's row references (one per query, a column),
   dSᵀ = Pᵀ ∘ (dPᵀ·do_scale·v_scale − delta) → E4M3 with the amax scale of its 64×64 tile
-  (``formats.DS_TILE_DK``, one warpgroup's tile: no exchange between warpgroups),
-  dV += Pᵀ·dO, accumulated in place in units of the query head's dO scale (rescaled where
-  the GQA group moves to its next head),
-  dK += (dSᵀ·Qe)·(ds_scale·qe_scale) — both products issued in the next tile's turn.
+  (``formats.ds_tile_dk(64)``, one warpgroup's tile: no exchange between warpgroups),
+  dV += (Pᵀ·dO)·do_scale and dK += (dSᵀ·Qe)·(ds_scale·qe_scale), each product summed in
+  float32 as the Triton kernel does (same numbers) — both issued in the next tile's turn.
 
 The query tiles of the GQA group's heads run one after the other in one sequence, so dK
 and dV are summed over the group without atomics.  Pᵀ and dSᵀ reach the A operand by a
-layout conversion (shuffles; the forward measured no gain from avoiding them), and every
-tile is masked (the forward gained from unmasked interior tiles: a next step).
+layout conversion (shuffles), and every tile is masked.
 
-Scope (``supports``): P mode direct, no bias, D in {64, 128}; K, V and the row vectors
-contiguous, Q and dO with any strides TMA accepts, token-major dOᵀ and Qeᵀ as the Triton
-launcher makes them.
+Scope (``supports``): P mode direct, no bias, D = 64, where it measured 1.2-1.3x the
+Triton kernel on the H200.  At D = 128 its four [64, 128] float32 accumulators per
+warpgroup (dK, dV and their per-tile products) spill and it measured 0.4-0.8x the Triton
+kernel (docs/perf-notes.md), so D = 128 stays there.  K, V and the row vectors contiguous,
+Q and dO with any strides TMA accepts, token-major dOᵀ and Qeᵀ as the Triton launcher
+makes them.
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ from .attention_fwd import _e4m3, _fma_sat, _layout, _mul_rn, _ping_pong_barrier
 
 BLOCK_N = F.KEY_TILE  # keys per program: one K scale block
 BN_WG = BLOCK_N // 2  # keys per consumer warpgroup = one dS tile's keys
-BM = F.DS_TILE_DK[0]  # queries per step = one dS tile's queries
-assert F.DS_TILE_DK == (BM, BN_WG) and F.SCALE_BLOCK % BM == 0
+BM = F.ds_tile_dk(64)[0]  # queries per step = one dS tile's queries (the kernel's D)
+assert F.ds_tile_dk(64) == (BM, BN_WG) and F.SCALE_BLOCK % BM == 0
 NUM_STAGES = 2
 LOG2E = gl.constexpr(1.4426950408889634)
 
@@ -89,35 +89,23 @@ def _tile(c, s, dp, keys, qs_ptr, delta_ptr, ref_ptr, dos_ptr, qes_ptr, b, kv_he
 
 
 @gluon.jit
-def _products(dv, dv_part, part, p8, ds8, dot_buf, qet_buf, HEAD_DIM: gl.constexpr, BM: gl.constexpr,
-              DV_SPLIT: gl.constexpr):
-    """Issue Pᵀ·dO and dSᵀ·Qe (into the dK part) asynchronously: Pᵀ·dO into its own part
-    (DV_SPLIT), else into dV itself (returned as the part)."""
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dv.type.layout, k_width=4)
+def _products(dv_part, part, p8, ds8, dot_buf, qet_buf, HEAD_DIM: gl.constexpr, BM: gl.constexpr):
+    """Issue Pᵀ·dO and dSᵀ·Qe asynchronously, into the dV and dK parts."""
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dv_part.type.layout, k_width=4)
     pa = gl.convert_layout(p8, a_layout)
     dot = dot_buf.reshape([HEAD_DIM, BM]).permute((1, 0))
-    if DV_SPLIT:
-        dv_part = warpgroup_mma(pa, dot, dv_part, use_acc=False, is_async=True)
-    else:
-        dv_part = warpgroup_mma(pa, dot, dv, use_acc=True, is_async=True)
+    dv_part = warpgroup_mma(pa, dot, dv_part, use_acc=False, is_async=True)
     part = warpgroup_mma(gl.convert_layout(ds8, a_layout), qet_buf.reshape([HEAD_DIM, BM]).permute((1, 0)), part,
                          use_acc=False, is_async=True)
     return dv_part, part
 
 
 @gluon.jit
-def _accumulate(dk, dv, dv_part, part, scale, c, dos_ptr, b, kv_head, H, GROUP, n_q, DV_SPLIT: gl.constexpr):
-    """Tile c's finished products join dK and dV: the dK part with its tile's scale; the
-    dV part with its head's dO scale (DV_SPLIT), else dV (accumulated in place in units
-    of that scale) is moved to the next tile's head's units where the head changes."""
+def _accumulate(dk, dv, dv_part, part, scale, c, dos_ptr, b, kv_head, H, GROUP, n_q):
+    """Tile c's finished products join dK and dV: the dK part with its tile's scale, the
+    dV part with its query head's dO scale."""
     dk = dk + part * scale
-    head = kv_head * GROUP + c // n_q
-    if DV_SPLIT:
-        dv = dv + dv_part * gl.load(dos_ptr + b * H + head)
-    else:
-        dv = dv_part
-        if ((c + 1) % n_q == 0) & (c + 1 < GROUP * n_q):
-            dv = dv * gl.div_rn(gl.load(dos_ptr + b * H + head), gl.load(dos_ptr + b * H + head + 1))
+    dv = dv + dv_part * gl.load(dos_ptr + b * H + kv_head * GROUP + c // n_q)
     return dk, dv
 
 
@@ -125,7 +113,7 @@ def _accumulate(dk, dv, dv_part, part, scale, c, dos_ptr, b, kv_head, H, GROUP, 
 def _consumer(qs_ptr, delta_ptr, ref_ptr, dos_ptr, vs_ptr, qes_ptr, dk_ptr, dv_ptr, smem, bars, out_strides,
               stride_qes, ks, b, kv_head, H, GROUP, k0, j_lo, n_q, NQ, NK,
               WG: gl.constexpr, HEAD_DIM: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
-              STAGES: gl.constexpr, CAUSAL: gl.constexpr, DV_SPLIT: gl.constexpr):
+              STAGES: gl.constexpr, CAUSAL: gl.constexpr):
     k_smem, v_smem, q_bufs, do_bufs, dot_bufs, qet_bufs = smem
     kv_bar, q_ready, q_empty, t_ready, t_empty, turn = bars
     nw: gl.constexpr = gl.num_warps()
@@ -166,8 +154,8 @@ def _consumer(qs_ptr, delta_ptr, ref_ptr, dos_ptr, vs_ptr, qes_ptr, dk_ptr, dv_p
             dp = warpgroup_mma(v_op, do_bufs.index(stage).reshape([BM, HEAD_DIM]).permute((1, 0)),
                                gl.zeros([BN, BM], gl.float32, s_layout), use_acc=False, is_async=True)
             mbarrier.wait(t_ready.index(prev), ((c - 1) // STAGES) & 1)
-            dv_part, part = _products(dv, dv_part, part, p8, ds8, dot_bufs.index(prev), qet_bufs.index(prev),
-                                      HEAD_DIM, BM, DV_SPLIT)
+            dv_part, part = _products(dv_part, part, p8, ds8, dot_bufs.index(prev), qet_bufs.index(prev),
+                                      HEAD_DIM, BM)
             mbarrier.arrive(turn.index(1 - WG))
             s, dp = warpgroup_mma_wait(2, deps=(s, dp))
             mbarrier.arrive(q_empty.index(stage))
@@ -176,17 +164,15 @@ def _consumer(qs_ptr, delta_ptr, ref_ptr, dos_ptr, vs_ptr, qes_ptr, dk_ptr, dv_p
                                                CAUSAL)
             dv_part, part = warpgroup_mma_wait(0, deps=(dv_part, part))
             mbarrier.arrive(t_empty.index(prev))
-            dk, dv = _accumulate(dk, dv, dv_part, part, scale, c - 1, dos_ptr, b, kv_head, H, GROUP, n_q, DV_SPLIT)
+            dk, dv = _accumulate(dk, dv, dv_part, part, scale, c - 1, dos_ptr, b, kv_head, H, GROUP, n_q)
             p8, ds8, scale = p8_new, ds8_new, scale_new
         last = (n_steps - 1) % STAGES
         mbarrier.wait(t_ready.index(last), ((n_steps - 1) // STAGES) & 1)
-        dv_part, part = _products(dv, dv_part, part, p8, ds8, dot_bufs.index(last), qet_bufs.index(last), HEAD_DIM,
-                                  BM, DV_SPLIT)
+        dv_part, part = _products(dv_part, part, p8, ds8, dot_bufs.index(last), qet_bufs.index(last), HEAD_DIM,
+                                  BM)
         dv_part, part = warpgroup_mma_wait(0, deps=(dv_part, part))
         mbarrier.arrive(t_empty.index(last))
-        dk, dv = _accumulate(dk, dv, dv_part, part, scale, n_steps - 1, dos_ptr, b, kv_head, H, GROUP, n_q, DV_SPLIT)
-        if not DV_SPLIT:  # from the last head's units
-            dv = dv * gl.load(dos_ptr + b * H + kv_head * GROUP + GROUP - 1)
+        dk, dv = _accumulate(dk, dv, dv_part, part, scale, n_steps - 1, dos_ptr, b, kv_head, H, GROUP, n_q)
 
     rows = k0 + WG * BN + gl.arange(0, BN, gl.SliceLayout(1, o_layout))
     cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, o_layout))
@@ -225,7 +211,7 @@ def _producer(k_desc, v_desc, q_desc, do_desc, dot_desc, qet_desc, smem, bars, b
 def _dkdv_ws(k_desc, v_desc, q_desc, do_desc, dot_desc, qet_desc, qs_ptr, ks_ptr, vs_ptr, dos_ptr, qes_ptr,
              delta_ptr, ref_ptr, dk_ptr, dv_ptr, stride_kb, stride_kh, stride_kn, stride_kd, stride_ksb, stride_qes,
              H, HKV, NQ, NK,
-             HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, DV_SPLIT: gl.constexpr,
+             HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
              CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     BN: gl.constexpr = k_desc.block_type.shape[2]
     BM: gl.constexpr = q_desc.block_type.shape[2]
@@ -252,18 +238,16 @@ def _dkdv_ws(k_desc, v_desc, q_desc, do_desc, dot_desc, qet_desc, qs_ptr, ks_ptr
     gl.warp_specialize([
         (_consumer, (qs_ptr, delta_ptr, ref_ptr, dos_ptr, vs_ptr, qes_ptr, dk_ptr, dv_ptr, smem, bars, out_strides,
                      stride_qes, ks, b, kv_head, H, GROUP, k0, j_lo, n_q, NQ, NK, 0, HEAD_DIM, BM, BN, STAGES,
-                     CAUSAL, DV_SPLIT)),
+                     CAUSAL)),
         (_consumer, (qs_ptr, delta_ptr, ref_ptr, dos_ptr, vs_ptr, qes_ptr, dk_ptr, dv_ptr, smem, bars, out_strides,
                      stride_qes, ks, b, kv_head, H, GROUP, k0, j_lo, n_q, NQ, NK, 1, HEAD_DIM, BM, BN, STAGES,
-                     CAUSAL, DV_SPLIT)),
+                     CAUSAL)),
         (_producer, (k_desc, v_desc, q_desc, do_desc, dot_desc, qet_desc, smem, bars, b, kv_head, H, GROUP, k0, j_lo,
                      n_q, BM, BN, STAGES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
-# DV_SPLIT: dV summed per tile in float32 (as the Triton kernel; 64 more registers at
-# D=128) instead of in place on the tensor cores (fp8-wgmma accumulation precision).
-_CONSTEXPRS = dict(STAGES=NUM_STAGES, DV_SPLIT=False, CONSUMER_REGS=240, PRODUCER_REGS=24)
+_CONSTEXPRS = dict(STAGES=NUM_STAGES, CONSUMER_REGS=240, PRODUCER_REGS=24)
 _LAUNCH = dict(num_warps=4, maxnreg=168)  # 12 warps share the register file
 
 
@@ -282,7 +266,7 @@ def supports(do, do_t, do_scale, delta, q, qe_t, qe_scale, k, v, q_scale, k_scal
     b, h, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
     rows = (h * nq, nq, 1)
-    return (p_mode == "direct" and bias is None and d in (64, 128) and nq > 0 and nk > 0
+    return (p_mode == "direct" and bias is None and d == 64 and nq > 0 and nk > 0
             and h % hkv == 0 and b * hkv < 65536  # the grid's second dimension
             and q.dtype == k.dtype == torch.int8 and do.dtype == do_t.dtype == F.E5M2
             and v.dtype == qe_t.dtype == F.E4M3
@@ -300,8 +284,7 @@ def dkdv_backward(do, do_t, do_scale, delta, q, qe_t, qe_scale, k, v, q_scale, k
                   dk, dv):
     """dK, dV into ``dk``, ``dv`` [B, Hkv, Nk, D] (one stride set for both).  ``v`` is V
     row-major [B, Hkv, Nk, D]; ``do_t``, ``qe_t`` token-major; the rest as
-    ``reference.attention_backward``, float32 scales and rows.  Prototype: not yet run on
-    a GPU."""
+    ``reference.attention_backward``, float32 scales and rows."""
     b, h, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
     kv_block, q_block = [1, 1, BN_WG, d], [1, 1, BM, d]
@@ -317,7 +300,7 @@ def dkdv_backward(do, do_t, do_scale, delta, q, qe_t, qe_scale, k, v, q_scale, k
         HEAD_DIM=d, CAUSAL=bool(causal), **_CONSTEXPRS, **_LAUNCH)
 
 
-def compile_for_sm90(d: int, causal: bool, dv_split: bool = False):
+def compile_for_sm90(d: int, causal: bool):
     """Compile without a GPU (Triton's bundled ptxas), for inspection: the compiled kernel."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -331,7 +314,7 @@ def compile_for_sm90(d: int, causal: bool, dv_split: bool = False):
            "dk_ptr": "*bf16", "dv_ptr": "*bf16"}
     for name in ("qs_ptr", "ks_ptr", "vs_ptr", "dos_ptr", "qes_ptr", "delta_ptr", "ref_ptr"):
         sig[name] = "*fp32"
-    consts = dict(_CONSTEXPRS, HEAD_DIM=d, CAUSAL=causal, DV_SPLIT=dv_split)
+    consts = dict(_CONSTEXPRS, HEAD_DIM=d, CAUSAL=causal)
     for name in _dkdv_ws.arg_names:
         sig.setdefault(name, "constexpr" if name in consts else "i32")
     src = GluonASTSource(_dkdv_ws, sig, constexprs=consts)

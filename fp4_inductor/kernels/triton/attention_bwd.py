@@ -1,8 +1,9 @@
 """Hopper (sm_90) backward attention in Triton: INT8 score recompute, FP8 gradient products.
 
 Computes what ``reference.attention_backward`` specifies.  Per tile of 128 keys (a K scale
-block) and 128 queries (dK/dV kernel, ``formats.DS_TILE_DK``) or 64 (dQ kernel,
-``formats.DS_TILE_DQ``):
+block) and 64 queries (dQ kernel, ``formats.DS_TILE_DQ``) or the dK tile's (dK/dV kernel,
+``formats.ds_tile_dk``: 64 at D = 64, with one dS scale per half of the keys; 128 at
+D = 128):
   x = int8 q.k * (q_scale * log2e * k_scale) [+ bias], masked     (exact int32 products)
   p = formats.probability_operand(x, r)  (r: the forward's row reference; bit-identical codes)
   dP = (E5M2 dO . E4M3 V^T) * do_scale * v_scale
@@ -57,14 +58,13 @@ from ... import formats as F
 from .common import e2m1_round, max_propagate_nan
 
 _P_MODE_ID = {"direct": 0, "exp": 1, "fp4": 2}
-# Key tile = K scale block = dS tile width; query tile = each kernel's dS tile height (for
-# dK/dV also the Qe scale block).
+# Key tile = K scale block = dQ's dS tile width; query tile = each kernel's dS tile height
+# (dividing the Qe scale block).  The dK/dV kernel scales dS per key sub-tile of its
+# 128-key tile where the dK tile is narrower (KEY_SPLIT): a per-row factor of dK.
 BLOCK_N = F.KEY_TILE
-BLOCK_M_DK, BLOCK_M_DQ = F.DS_TILE_DK[0], F.DS_TILE_DQ[0]
-# The dK/dV kernel scales dS per key sub-tile of its 128-key tile: a per-row factor of dK.
-KEY_SPLIT_DK = BLOCK_N // F.DS_TILE_DK[1]
-assert F.DS_TILE_DQ[1] == BLOCK_N == F.KEY_TILE == F.SCALE_BLOCK == 128 and F.SCALE_BLOCK % BLOCK_M_DK == 0
-assert BLOCK_N % F.DS_TILE_DK[1] == 0
+BLOCK_M_DQ = F.DS_TILE_DQ[0]
+assert F.DS_TILE_DQ[1] == BLOCK_N == F.KEY_TILE == F.SCALE_BLOCK == 128
+assert all(F.SCALE_BLOCK % F.ds_tile_dk(d)[0] == 0 and BLOCK_N % F.ds_tile_dk(d)[1] == 0 for d in (64, 128))
 
 
 @triton.jit
@@ -254,7 +254,10 @@ def _bwd_dkdv_kernel(
                 dv += tl.dot(p.to(tl.float16), tl.trans(do_t.to(tl.float16))) * do_scale
             else:
                 dv += tl.dot(p, tl.trans(do_t)) * do_scale
-            dk += tl.dot(ds, tl.trans(qe_t)) * (ds_scale[:, None] * qe_scale)
+            if KEY_SPLIT > 1:  # a scale per key row
+                dk += tl.dot(ds, tl.trans(qe_t)) * (ds_scale[:, None] * qe_scale)
+            else:
+                dk += tl.dot(ds, tl.trans(qe_t)) * (ds_scale * qe_scale)
             if DEBUG:  # P and dP, [B, H, Nq, Nk] float32 (tests only)
                 dbg = b * H * NQ * NK + h * NQ * NK + offs_m[None, :] * NK + offs_n[:, None]
                 dbg_ok = n_ok[:, None] & m_ok[None, :]
@@ -437,8 +440,8 @@ def attention_backward(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale
             *do.stride(), *do_t.stride(), *do_scale.stride(), *delta.stride(), *q.stride(), *k.stride(), *v.stride(),
             *q_scale.stride(), *k_scale.stride(), *v_scale.stride(), *qe_t.stride(), *qe_scale.stride(),
             *common_tail, *dk.stride(), *dv.stride(),
-            h, hkv, h // hkv, nq, nk, BLOCK_M=BLOCK_M_DK, KEY_SPLIT=KEY_SPLIT_DK, **consts, num_warps=warps,
-            num_stages=stages,
+            h, hkv, h // hkv, nq, nk, BLOCK_M=F.ds_tile_dk(d)[0], KEY_SPLIT=BLOCK_N // F.ds_tile_dk(d)[1], **consts,
+            num_warps=warps, num_stages=stages,
         )
 
     if hooks and dq_kernel is not None \
