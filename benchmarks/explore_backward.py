@@ -1,6 +1,6 @@
 """Where the backward's time goes, and backward-kernel variants, in one run.
 
-    python benchmarks/explore_backward.py [--ns 4096] [--ds 128 64]
+    python benchmarks/explore_backward.py [--ns 4096] [--ds 128 64] [--ncu]
 
 1. a profiler table of one eager causal forward + backward of ``lowp_attention`` on the
    FA3 grid (B * N = 16384, H * D = 2048): device time per kernel, so the backward's
@@ -9,7 +9,11 @@
 2. the preparation alone and the Triton backward kernels alone, per (num_warps,
    num_stages) configuration, then what ``kernels.backward_kernel`` runs (the Gluon
    kernels where they apply), as do_bench medians.
-Writes explore_backward.json into --out-dir (default benchmarks/results).
+Writes explore_backward.json into --out-dir (default benchmarks/results).  ``--ncu`` only
+runs what ``backward_kernel`` runs, twice per shape (compile, then the launch to profile),
+for a hardware-counter profiler, e.g.
+``ncu --clock-control none --set full -k regex:"_ws|_bwd" --launch-skip 2 --launch-count 2
+python benchmarks/explore_backward.py --ncu --ds 128``.
 """
 
 from __future__ import annotations
@@ -69,11 +73,18 @@ def main():
     ap.add_argument("--ns", type=int, nargs="+", default=[4096])
     ap.add_argument("--ds", type=int, nargs="+", default=[128, 64])
     ap.add_argument("--out-dir", default=os.path.join(C.ROOT, "benchmarks", "results"))
+    ap.add_argument("--ncu", action="store_true", help="only launch the backward kernels, twice per shape")
     args = ap.parse_args()
     result = {"env": C.environment(), "profile": {}, "timings": []}
     for d in args.ds:
         for n in args.ns:
             b, h = C.fa3_shape(n, d)
+            if args.ncu:
+                _, bargs = bwd_operands(b, h, n, d)
+                for _ in range(2):
+                    kernels.backward_kernel(bargs[3], "direct")(*bargs)
+                torch.cuda.synchronize()
+                continue
             flops = 2.5 * C.attention_flops(b, h, n, n, d, True)
             result["profile"][f"d{d}_n{n}"] = table = profile_step(b, h, n, d)
             print(f"\nD={d} N={n} B={b} H={h}: device time per kernel (us), one forward + backward")
@@ -96,6 +107,8 @@ def main():
             ms = do_bench(lambda: kernels.backward_kernel(bargs[3], "direct")(*bargs), return_mode="median")
             result["timings"].append({"d": d, "n": n, "what": "backward_kernel", "ms": ms, "tflops": flops / ms * 1e-9})
             print(f"  backward_kernel (Gluon where it applies): {ms:.3f} ms, {flops / ms * 1e-9:.0f} TFLOP/s", flush=True)
+    if args.ncu:
+        return
     os.makedirs(args.out_dir, exist_ok=True)
     with open(os.path.join(args.out_dir, "explore_backward.json"), "w") as f:
         json.dump(result, f, indent=1, default=str)

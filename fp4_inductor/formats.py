@@ -57,7 +57,8 @@ E2M1_BOUNDARIES = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 # kernels, each quantizing the dS it computes over its own tile: 64 queries x 128 keys
 # for dQ (one consumer warpgroup's tile in the Gluon dQ kernel); for dK, by head dim, the
 # tile of the kernel that runs it on the H200: 64 x 64 at D = 64 (a warpgroup's tile in
-# the Gluon dK/dV kernel), 128 x 128 at D = 128 (the Triton kernel, 1.2x slower on 64 x 64
+# the Gluon dK/dV kernel; the Triton kernel, which keeps exp, fp4 and biases there, runs
+# ~1.19x slower on it), 128 x 128 at D = 128 (the Triton kernel, 1.2x slower on 64 x 64
 # tiles: docs/perf-notes.md).  The tile shape does not change the gradient error
 # (benchmarks/grad_error_budget.py).
 DS_TILE_DQ = (64, 128)

@@ -1,6 +1,6 @@
 """The sm_90 backward kernels against ``reference.attention_backward`` (the rules in
-``bwd_checks.py``): the Triton kernels, and the Gluon dQ kernel against the Triton dQ
-kernel."""
+``bwd_checks.py``): the Triton kernels, and the Gluon dQ and dK/dV kernels against the
+Triton ones."""
 
 from __future__ import annotations
 
@@ -93,22 +93,30 @@ def test_gluon_dq_matches_triton_dq(shape, causal, monkeypatch):
     assert torch.equal(dk2.cpu(), dk) and torch.equal(dv2.cpu(), dv)
 
 
-# dQ by the Triton kernel, then (Nk % 16 == 0) the Gluon one; dK/dV by the Gluon kernel at D = 64
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("n", [203, 208])
-def test_bf16_gradients_and_op_dispatch(n, d):
-    """torch.ops.fp4attn.bwd on sm_90 runs the kernels (no fallback warning), writes the
-    [B, N, H, D] storage, and its bf16 outputs are the float32 Triton kernel results
-    rounded (to a bf16 step: the Gluon kernels may differ from the Triton ones in the last
-    float32 bits)."""
-    from fp4_inductor import kernels, ops as _ops  # noqa: F401  (registers the op)
+def test_bf16_gradients_and_op_dispatch(n, d, monkeypatch):
+    """torch.ops.fp4attn.bwd on sm_90 runs the kernels (no fallback warning), the Gluon dQ
+    where Nk % 16 == 0 and the Gluon dK/dV at D = 64, writes the [B, N, H, D] storage, and
+    its bf16 outputs are the float32 Triton kernel results rounded (to a bf16 step: the
+    Gluon kernels may differ from the Triton ones in the last float32 bits)."""
+    from fp4_inductor import kernels, ops as fp4_ops
 
+    # Fallback warnings are given once per process: start fresh so that none is hidden.
+    monkeypatch.setattr(kernels, "_gluon_failed", set())
+    monkeypatch.setattr(fp4_ops, "_warned", set())
+    taken = {}
+    for hook in ("_gluon_dq", "_gluon_dkdv"):
+        def record(*args, _hook=hook, _run=getattr(kernels, hook), **kwargs):
+            taken[_hook] = _run(*args, **kwargs)
+            return taken[_hook]
+        monkeypatch.setattr(kernels, hook, record)
     ops = operands(1, 4, 2, n, n, d, "direct", True)
     dev = [None if t is None else t.cuda() for t in ops]
-    assert kernels.backward_kernel(dev[3], "direct") is not None
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
         dq, dk, dv = torch.ops.fp4attn.bwd(*dev, True, "direct", torch.bfloat16)
+    assert taken == {"_gluon_dq": n % 16 == 0, "_gluon_dkdv": d == 64}
     assert dq.stride() == (n * 4 * d, d, 4 * d, 1)
     assert dk.stride() == (n * 2 * d, d, 2 * d, 1)
     full, _ = run(ops, True, "direct", debug=False)
@@ -124,14 +132,15 @@ def test_bf16_gradients_and_op_dispatch(n, d):
     ("fp4", "fp4", 0.55, 0.8),
 ])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_lowp_attention_gradients_end_to_end(fmt, p_mode, max_rel_l2, min_cos, causal):
+@pytest.mark.parametrize("d", [64, 128])
+def test_lowp_attention_gradients_end_to_end(fmt, p_mode, max_rel_l2, min_cos, causal, d):
     """lowp_attention gradients (quantize + both kernels) against float32 SDPA autograd on
     Gaussian inputs with GQA.  The CPU reference path measured rel-L2 0.06-0.08 for fp8
     (direct and exp) and 0.39-0.44 for fp4 at this kind of shape; the kernel computes the
     same numbers up to float32 rounding, so the bounds sit ~40 % above those."""
     from fp4_inductor.attention import lowp_attention
 
-    b, h, hkv, n, d = 2, 8, 2, 1024, 128
+    b, h, hkv, n = 2, 8, 2, 1024
     q, k, v = (torch.randn(b, hh, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                for hh in (h, hkv, hkv))
     go = torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16)
@@ -166,9 +175,9 @@ GLUON_DKDV_SHAPES = [  # (B, H, Hkv, Nq, Nk, D)
 @pytest.mark.parametrize("shape", GLUON_DKDV_SHAPES, ids=lambda s: "b{}h{}kv{}q{}k{}d{}".format(*s))
 def test_gluon_dkdv_matches_triton_dkdv(shape, causal, monkeypatch):
     """The Gluon dK/dV kernel computes the Triton dK/dV kernel's numbers (the same tiles,
-    formulas and float32 sums of each tile's scaled products, up to summation order) into
-    the op's [B, N, H, D] storage: rel-L2 within 1e-3 and max |err| within 1e-2 of max
-    |grad|, which one wrong tile or scale exceeds."""
+    formulas and float32 sums of each tile's scaled products; measured bit-identical on
+    the H200, the bounds leave room for summation order only) into the op's [B, N, H, D]
+    storage."""
     from fp4_inductor import kernels
 
     monkeypatch.setattr(kernels, "_gluon_failed", set())  # a failure elsewhere must not hide this one
@@ -191,5 +200,5 @@ def test_gluon_dkdv_matches_triton_dkdv(shape, causal, monkeypatch):
     assert used == [True], "the Gluon dK/dV kernel did not take the call"
     for name, got, want in (("dk", dk.cpu(), dk_triton), ("dv", dv.cpu(), dv_triton)):
         assert not got.isnan().any(), f"unwritten {name} rows"
-        assert rel_l2(got, want) <= 1e-3, f"{name}: rel-L2 {rel_l2(got, want):.2e} against the Triton kernel"
-        assert (got - want).abs().max() <= 1e-2 * want.abs().max(), f"{name}: max error"
+        assert rel_l2(got, want) <= 1e-5, f"{name}: rel-L2 {rel_l2(got, want):.2e} against the Triton kernel"
+        assert (got - want).abs().max() <= 1e-4 * want.abs().max(), f"{name}: max error"

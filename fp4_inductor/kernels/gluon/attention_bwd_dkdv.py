@@ -19,7 +19,8 @@ and dV are summed over the group without atomics.  Pᵀ and dSᵀ reach the A op
 layout conversion (shuffles), and every tile is masked.
 
 Scope (``supports``): P mode direct, no bias, D = 64, where it measured 1.2-1.3x the
-Triton kernel on the H200.  At D = 128 its four [64, 128] float32 accumulators per
+Triton kernel on the same 64×64 dS tiles on the H200 (about 1.15x the Triton kernel on
+128×128 tiles, which D = 64 used before).  At D = 128 its four [64, 128] float32 accumulators per
 warpgroup (dK, dV and their per-tile products) spill and it measured 0.4-0.8x the Triton
 kernel (docs/perf-notes.md), so D = 128 stays there.  K, V and the row vectors contiguous,
 Q and dO with any strides TMA accepts, token-major dOᵀ and Qeᵀ as the Triton launcher
@@ -36,34 +37,15 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ... import formats as F
-from .attention_bwd_dq import _tma_ready
-from .attention_fwd import _e4m3, _fma_sat, _layout, _mul_rn, _ping_pong_barriers
+from .attention_bwd_dq import _ds_operand, _tma_ready
+from .attention_fwd import _layout, _mul_rn, _ping_pong_barriers, _probability
 
 BLOCK_N = F.KEY_TILE  # keys per program: one K scale block
 BN_WG = BLOCK_N // 2  # keys per consumer warpgroup = one dS tile's keys
 BM = F.ds_tile_dk(64)[0]  # queries per step = one dS tile's queries (the kernel's D)
-assert F.ds_tile_dk(64) == (BM, BN_WG) and F.SCALE_BLOCK % BM == 0
+assert F.ds_tile_dk(64)[1] == BN_WG and F.SCALE_BLOCK % BM == 0
 NUM_STAGES = 2
 LOG2E = gl.constexpr(1.4426950408889634)
-
-
-@gluon.jit
-def _probability_t(x, r):
-    """Direct-P codes of a transposed tile against the column references ``r``."""
-    z = _fma_sat(x, 0.03125, ((120.0 - 8.0 * r) * 0.00390625)[None, :])
-    codes = (z + 32768.0).to(gl.int32, bitcast=True).to(gl.uint8)
-    return codes.to(gl.float8e4nv, bitcast=True)
-
-
-@gluon.jit
-def _ds_operand_t(p, dp, delta, dov_scale):
-    """dSᵀ = Pᵀ ∘ (dPᵀ·scale − delta) as E4M3 codes with its tile's amax scale."""
-    ds = p * (dp * dov_scale - delta[None, :])
-    amax = gl.max(gl.max(gl.abs(ds), 1), 0)
-    ds_scale = gl.where(amax == 0.0, 1.0, gl.div_rn(amax, 448.0))
-    inv = gl.div_rn(1.0, ds_scale)
-    ds8 = _e4m3(gl.minimum(gl.maximum(ds * inv, -448.0), 448.0)).to(gl.float8e4nv, bitcast=True)
-    return ds8, ds_scale
 
 
 @gluon.jit
@@ -81,9 +63,11 @@ def _tile(c, s, dp, keys, qs_ptr, delta_ptr, ref_ptr, dos_ptr, qes_ptr, b, kv_he
     live = (keys < NK)[:, None] & ok[None, :]
     if CAUSAL:
         live = live & (keys[:, None] <= cols[None, :])
-    p8 = _probability_t(gl.where(live, x, float("-inf")), gl.load(ref_ptr + row, mask=ok, other=0.0))
+    r = gl.load(ref_ptr + row, mask=ok, other=0.0)
+    p8 = _probability(gl.where(live, x, float("-inf")), r[None, :], False)
     dov_scale = gl.load(dos_ptr + b * H + h) * v_scale
-    ds8, ds_scale = _ds_operand_t(p8.to(gl.float32), dp, gl.load(delta_ptr + row, mask=ok, other=0.0), dov_scale)
+    delta = gl.load(delta_ptr + row, mask=ok, other=0.0)
+    ds8, ds_scale = _ds_operand(p8.to(gl.float32), dp, delta[None, :], dov_scale)
     qe_scale = gl.load(qes_ptr + (b * H + h) * stride_qes + start_m // 128)  # formats.SCALE_BLOCK
     return p8, ds8, ds_scale * qe_scale
 
@@ -128,8 +112,10 @@ def _consumer(qs_ptr, delta_ptr, ref_ptr, dos_ptr, vs_ptr, qes_ptr, dk_ptr, dv_p
     dk = gl.zeros([BN, HEAD_DIM], gl.float32, o_layout)
     dv = gl.zeros([BN, HEAD_DIM], gl.float32, o_layout)
     n_steps = GROUP * n_q
+    # Also where no query tile sees these keys (causal, n_steps = 0): the program must not
+    # exit while the producer's K and V loads still write its shared memory.
+    mbarrier.wait(kv_bar, 0)
     if n_steps > 0:
-        mbarrier.wait(kv_bar, 0)
         # Step 0: scores and dP only; each step c then issues tile c-1's products under S_c, dP_c.
         mbarrier.wait(q_ready.index(0), 0)
         mbarrier.wait(turn.index(WG), 0)
@@ -209,7 +195,7 @@ def _producer(k_desc, v_desc, q_desc, do_desc, dot_desc, qet_desc, smem, bars, b
 
 @gluon.jit
 def _dkdv_ws(k_desc, v_desc, q_desc, do_desc, dot_desc, qet_desc, qs_ptr, ks_ptr, vs_ptr, dos_ptr, qes_ptr,
-             delta_ptr, ref_ptr, dk_ptr, dv_ptr, stride_kb, stride_kh, stride_kn, stride_kd, stride_ksb, stride_qes,
+             delta_ptr, ref_ptr, dk_ptr, dv_ptr, stride_ob, stride_oh, stride_on, stride_od, stride_ksh, stride_qes,
              H, HKV, NQ, NK,
              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
              CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
@@ -223,7 +209,7 @@ def _dkdv_ws(k_desc, v_desc, q_desc, do_desc, dot_desc, qet_desc, qs_ptr, ks_ptr
     # Causal (top-left): query tiles wholly before this program's first key see none of it.
     j_lo = k0 // BM if CAUSAL else 0
     n_q = gl.maximum(gl.cdiv(NQ, BM) - j_lo, 0)
-    ks = gl.load(ks_ptr + b * (HKV * stride_ksb) + kv_head * stride_ksb + gl.program_id(0))
+    ks = gl.load(ks_ptr + b * (HKV * stride_ksh) + kv_head * stride_ksh + gl.program_id(0))
 
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [2] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [2] + v_desc.block_type.shape, v_desc.layout)
@@ -234,7 +220,7 @@ def _dkdv_ws(k_desc, v_desc, q_desc, do_desc, dot_desc, qet_desc, qs_ptr, ks_ptr
     bars = _ping_pong_barriers(STAGES)  # (kv_bar, q_ready, q_empty, t_ready, t_empty, turn)
 
     smem = (k_smem, v_smem, q_bufs, do_bufs, dot_bufs, qet_bufs)
-    out_strides = (stride_kb, stride_kh, stride_kn, stride_kd)
+    out_strides = (stride_ob, stride_oh, stride_on, stride_od)  # dK's and dV's
     gl.warp_specialize([
         (_consumer, (qs_ptr, delta_ptr, ref_ptr, dos_ptr, vs_ptr, qes_ptr, dk_ptr, dv_ptr, smem, bars, out_strides,
                      stride_qes, ks, b, kv_head, H, GROUP, k0, j_lo, n_q, NQ, NK, 0, HEAD_DIM, BM, BN, STAGES,

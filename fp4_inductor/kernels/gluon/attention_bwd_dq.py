@@ -43,8 +43,9 @@ NUM_STAGES = 2
 @gluon.jit
 def _ds_operand(p, dp, delta, dov_scale):
     """dS = P ∘ (dP·scale − delta) as E4M3 codes with its tile's amax scale
-    (formats._amax_scale), rounded by the cvt instruction as the forward's exp mode."""
-    ds = p * (dp * dov_scale - delta[:, None])
+    (formats._amax_scale), rounded by the cvt instruction as the forward's exp mode;
+    ``delta`` broadcast to the tile ([rows, 1], or [1, cols] for a transposed tile)."""
+    ds = p * (dp * dov_scale - delta)
     amax = gl.max(gl.max(gl.abs(ds), 1), 0)
     ds_scale = gl.where(amax == 0.0, 1.0, gl.div_rn(amax, 448.0))
     inv = gl.div_rn(1.0, ds_scale)
@@ -77,8 +78,8 @@ def _step(j, state, q, do, rows, row_t, r, delta, dov_scale, ks_ptr, kes_ptr, NK
     mbarrier.arrive(turn.index(1 - WG))
     s, dp = warpgroup_mma_wait(1, deps=(s, dp))
     mbarrier.arrive(kv_empty.index(stage))
-    p = _probability(_scores(s, row_t, ks_ptr, j, rows, NK, BN, CAUSAL, MASKED), r, False).to(gl.float32)
-    ds8_new, ds_scale_new = _ds_operand(p, dp, delta, dov_scale)
+    p = _probability(_scores(s, row_t, ks_ptr, j, rows, NK, BN, CAUSAL, MASKED), r[:, None], False).to(gl.float32)
+    ds8_new, ds_scale_new = _ds_operand(p, dp, delta[:, None], dov_scale)
     part = warpgroup_mma_wait(0, deps=(part,))
     mbarrier.arrive(ke_empty.index(prev))
     dq = dq + part * (ds_scale * gl.load(kes_ptr + j - 1))
@@ -120,8 +121,8 @@ def _consumer(qs_ptr, ks_ptr, kes_ptr, delta_ptr, ref_ptr, dq_ptr, smem, bars, d
     mbarrier.arrive(turn.index(1 - WG))
     s, dp = warpgroup_mma_wait(0, deps=(s, dp))
     mbarrier.arrive(kv_empty.index(0))
-    p = _probability(_scores(s, row_t, ks_ptr, 0, rows, NK, BN, CAUSAL, True), r, False).to(gl.float32)
-    ds8, ds_scale = _ds_operand(p, dp, delta, dov_scale)
+    p = _probability(_scores(s, row_t, ks_ptr, 0, rows, NK, BN, CAUSAL, True), r[:, None], False).to(gl.float32)
+    ds8, ds_scale = _ds_operand(p, dp, delta[:, None], dov_scale)
     state = (gl.zeros([BM, HEAD_DIM], gl.float32, o_layout), gl.zeros([BM, HEAD_DIM], gl.float32, o_layout),
              ds8, ds_scale)
     for j in range(1, n_full):

@@ -84,14 +84,15 @@ def _e4m3(v):
 
 
 @gluon.jit
-def _probability(x, m_new, EXP: gl.constexpr):
-    """The E4M3 P operand of one tile, as the Triton kernel's _probability.  Direct-P:
-    z = sat(x / 32 + (120 - 8 m) / 256), and z + 2**15 leaves rne(256 z) in the low byte;
-    exp: exp2(x - m + 8) converted by the cvt instruction."""
+def _probability(x, m, EXP: gl.constexpr):
+    """The E4M3 P operand of one tile, as the Triton kernel's _probability, against the
+    row references ``m`` broadcast to x's shape ([rows, 1], or [1, cols] for a
+    transposed tile).  Direct-P: z = sat(x / 32 + (120 - 8 m) / 256), and z + 2**15 leaves
+    rne(256 z) in the low byte; exp: exp2(x - m + 8) converted by the cvt instruction."""
     if EXP:
-        codes = _e4m3(gl.exp2(x - m_new[:, None] + 8.0))
+        codes = _e4m3(gl.exp2(x - m + 8.0))
     else:
-        z = _fma_sat(x, 0.03125, ((120.0 - 8.0 * m_new) * 0.00390625)[:, None])
+        z = _fma_sat(x, 0.03125, (120.0 - 8.0 * m) * 0.00390625)
         codes = (z + 32768.0).to(gl.int32, bitcast=True).to(gl.uint8)
     return codes.to(gl.float8e4nv, bitcast=True)
 
@@ -164,7 +165,7 @@ def _step(j, state, q, s_zero, row_t, rows, ks_ptr, NK, smem, bars,
     x = _scores(s, row_t, ks_ptr, j, rows, NK, BN, CAUSAL, MASKED)
     m_new = gl.maximum(m_i, gl.ceil(gl.reduce(x, 1, _max_nan)), propagate_nan=tl.PropagateNan.ALL)
     alpha_new = gl.where(m_new == m_i, 1.0, gl.exp2(m_i - m_new))
-    p = _probability(x, m_new, EXP)
+    p = _probability(x, m_new[:, None], EXP)
     part, l_part = warpgroup_mma_wait(0, deps=(part, l_part))
     mbarrier.arrive(v_empty.index(prev))
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None] + part
@@ -209,7 +210,7 @@ def _consumer(qs_ptr, ks_ptr, vs_ptr, out_ptr, lse_ptr, ref_ptr, smem, bars, out
     m_i = gl.ceil(gl.reduce(x, 1, _max_nan))
     state = (gl.zeros([BM, HEAD_DIM], gl.float32, o_layout), gl.zeros([BM, HEAD_DIM], gl.float32, o_layout),
              gl.zeros([BM, ONES_N], gl.float32, l_layout), gl.zeros([BM, ONES_N], gl.float32, l_layout),
-             m_i, _probability(x, m_i, EXP), gl.full([BM], 1.0, gl.float32, row_s))
+             m_i, _probability(x, m_i[:, None], EXP), gl.full([BM], 1.0, gl.float32, row_s))
     for j in range(1, n_full):
         state = _step(j, state, q, s_zero, row_t, rows, ks_ptr, NK, smem, bars, WG, HEAD_DIM, BM, BN, STAGES,
                       CAUSAL, EXP, False)

@@ -23,7 +23,8 @@ and lower register pressure than holding dK, dV and a dQ tile at once.  Both ker
 compute a tile with the same helper; each quantizes dS over its own query tile, so dQ
 and dK consume dS with different scale blocks (as the reference specifies).  Where it
 applies, ``kernels.gluon.attention_bwd_dq`` computes dQ instead of ``_bwd_dq_kernel``
-(the ``dq_kernel`` argument), with the same numbers.
+(the ``dq_kernel`` argument) and ``kernels.gluon.attention_bwd_dkdv`` dK and dV instead
+of ``_bwd_dkdv_kernel`` (``dkdv_kernel``), with the same numbers.
 
 Tiles are computed transposed ([keys, queries]) so that P^T and dS^T, the A operands of
 dV and dK, come straight from registers.  8-bit wgmma wants both shared-memory operands
