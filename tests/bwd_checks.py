@@ -23,7 +23,9 @@ are set from those measurements; rule 1 stays exact because scores are INT8 prod
    reference's wherever the reference's unrounded dS/scale is farther from an E4M3
    rounding midpoint than the dP accumulation error (bounded here by 1e-3 of
    sum |dO| |V|, ~8x the measured error); any other difference fails, so a single
-   wrongly computed code fails.  At most 1 % of codes may sit in that band.
+   wrongly computed code fails.  At most 1 % of codes may sit in that band.  dQ's codes
+   are the dQ kernel's own (dumped); dK's are rebuilt from the dK/dV kernel's P and dP
+   dumps, so its scale tiles are checked by rule 3, through dK itself.
 3. dQ, dK, dV equal the products of the kernels' codes with the reference's operands:
    rel-L2 <= 2e-3, max |err| <= 2e-2 max |ref| (measured ~2e-4; a wrong tile scale or
    tile shape, a missed or doubled tile, or a wrong GQA head is O(1e-2) rel-L2 or more).
