@@ -4,8 +4,8 @@
 
 FlashAttention-3's grid (B * N = 16384, H * D = 2048), causal.  Rows, timed in the same
 run (triton do_bench medians):
-  - ours: ``lowp_attention`` with the backward kernels, the
-    quantization of Q/K/V and dO included, eagerly ("ours-direct": dO's quantization and
+  - ours: ``lowp_attention`` with the backward kernels, the quantization of Q/K/V and dO
+    included, eagerly ("ours-direct": dO's quantization and
     the backward's other preparation run as separate aten kernels) and under
     ``torch.compile`` ("ours-direct-compiled": Inductor fuses that preparation, as in a
     model compiled with ``backend="fp4attn"``);

@@ -5,8 +5,8 @@
 Shapes: N 256 .. 32k, B H 8 .. 512, D 64 and 128, causal on and off, inference and
 training (forward + backward).  Each shape runs both paths in the same process:
 BF16 (torch SDPA, what a fallback site runs) and fp8 (``lowp_attention``: the
-quantization op, the forward kernel and, in training, the backward kernels).  Times are the median of three
-alternating rounds of triton do_bench medians.  The policy's pick is the cost
+quantization op, the forward kernel and, in training, the backward kernels).  Times are
+the median of three alternating rounds of triton do_bench medians.  The policy's pick is the cost
 model's (``policy.cost_model_decision``) over the shipped table for this GPU, which was
 measured by bench_attention.py, not by this script.  Targets (issue 5): the faster path
 for >= 95 % of shapes, never more than 3 % slower than it.

@@ -60,9 +60,10 @@ def operands(b, h, hkv, nq, nk, d, p_mode, causal, bias_kind=None):
     return (do8, dos, delta, q8, k8, vt, qs, ks, vs, qe, qes, ke, kes, bias, row_ref)
 
 
-def run(ops, causal, p_mode, out_dtype=torch.float32, debug=True, device="cuda"):
+def run(ops, causal, p_mode, out_dtype=torch.float32, debug=True, device="cuda", **hooks):
     """The Triton backward launcher on ``ops`` (moved to ``device``): gradients and the
-    debug dumps (P, dP, dS), on the CPU."""
+    debug dumps (P, dP, dS), on the CPU.  ``hooks``: the launcher's ``dq_kernel`` and
+    ``dkdv_kernel`` (asked only without ``debug``)."""
     b, h, nq, d = ops[3].shape
     hkv, nk = ops[4].shape[1], ops[4].shape[2]
     # Allocated as the op does ([B, N, H, D] storage), poisoned.
@@ -71,7 +72,7 @@ def run(ops, causal, p_mode, out_dtype=torch.float32, debug=True, device="cuda")
     dv = torch.full((b, nk, hkv, d), float("nan"), dtype=out_dtype, device=device).transpose(1, 2)
     dbg = tuple(torch.full((b, h, nq, nk), float("nan"), device=device) for _ in range(3)) if debug else None
     dev = [None if t is None else t.to(device) for t in ops]
-    launcher()(*dev, causal, p_mode, dq, dk, dv, debug=dbg)
+    launcher()(*dev, causal, p_mode, dq, dk, dv, debug=dbg, **hooks)
     if device == "cuda":
         torch.cuda.synchronize()
     # Tiles a kernel skips (wholly above the causal diagonal) hold P = dP = dS = 0.

@@ -9,7 +9,7 @@ import warnings
 import pytest
 import torch
 
-from bwd_checks import check, launcher, operands, rel_l2, run
+from bwd_checks import check, operands, rel_l2, run
 from fp4_inductor import formats as F
 
 pytestmark = [pytest.mark.gpu, pytest.mark.sm90]
@@ -46,6 +46,25 @@ def test_dense_bias(p_mode):
     check(ops, True, p_mode, grads, dumps)
 
 
+def run_through_gluon(ops, causal, what):
+    """``run`` (P mode direct, no dumps) with the Gluon ``what`` kernel ("dq" or "dkdv")
+    as the launcher's hook and a Gluon failure raised instead of falling back: the
+    gradients, after asserting that the Gluon kernel took the call."""
+    from fp4_inductor import kernels
+
+    used = []
+
+    def gluon(*args):
+        used.append(getattr(kernels, f"_gluon_{what}")(*args, bias=None, p_mode="direct"))
+        return used[-1]
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a Gluon failure warns and falls back
+        grads, _ = run(ops, causal, "direct", debug=False, **{f"{what}_kernel": gluon})
+    assert used == [True], f"the Gluon {what} kernel did not take the call"
+    return grads
+
+
 # The Gluon dQ kernel's scope (P mode direct, no bias, Nk a multiple of 16): odd query
 # counts, Nq != Nk both ways, GQA and MQA, B > 1.
 GLUON_DQ_SHAPES = [  # (B, H, Hkv, Nq, Nk, D)
@@ -68,29 +87,13 @@ def test_gluon_dq_matches_triton_dq(shape, causal, monkeypatch):
 
     monkeypatch.setattr(kernels, "_gluon_failed", set())  # a failure elsewhere must not hide this one
 
-    b, h, hkv, nq, nk, d = shape
-    ops = operands(b, h, hkv, nq, nk, d, "direct", causal)
+    ops = operands(*shape, "direct", causal)
     (dq_triton, dk, dv), _ = run(ops, causal, "direct", debug=False)
-    dq = torch.full((b, nq, h, d), float("nan"), device="cuda").transpose(1, 2)
-    dev = [None if t is None else t.cuda() for t in ops]
-    used = []
-
-    def gluon(*args):
-        used.append(kernels._gluon_dq(*args, bias=None, p_mode="direct"))
-        return used[-1]
-
-    dk2 = torch.full((b, hkv, nk, d), float("nan"), device="cuda")
-    dv2 = torch.full((b, hkv, nk, d), float("nan"), device="cuda")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", RuntimeWarning)  # a Gluon failure warns and falls back
-        launcher()(*dev, causal, "direct", dq, dk2, dv2, dq_kernel=gluon)
-    torch.cuda.synchronize()
-    assert used == [True], "the Gluon dQ kernel did not take the call"
-    dq = dq.cpu()
+    dq, dk2, dv2 = run_through_gluon(ops, causal, "dq")
     assert not dq.isnan().any(), "unwritten dQ rows"
     assert rel_l2(dq, dq_triton) <= 1e-3, f"rel-L2 {rel_l2(dq, dq_triton):.2e} against the Triton dQ"
     assert (dq - dq_triton).abs().max() <= 1e-2 * dq_triton.abs().max()
-    assert torch.equal(dk2.cpu(), dk) and torch.equal(dv2.cpu(), dv)
+    assert torch.equal(dk2, dk) and torch.equal(dv2, dv)
 
 
 @pytest.mark.parametrize("d", [64, 128])
@@ -181,24 +184,10 @@ def test_gluon_dkdv_matches_triton_dkdv(shape, causal, monkeypatch):
     from fp4_inductor import kernels
 
     monkeypatch.setattr(kernels, "_gluon_failed", set())  # a failure elsewhere must not hide this one
-    b, h, hkv, nq, nk, d = shape
-    ops = operands(b, h, hkv, nq, nk, d, "direct", causal)
+    ops = operands(*shape, "direct", causal)
     (_, dk_triton, dv_triton), _ = run(ops, causal, "direct", debug=False)
-    dq = torch.full((b, h, nq, d), float("nan"), device="cuda")
-    dk, dv = (torch.full((b, nk, hkv, d), float("nan"), device="cuda").transpose(1, 2) for _ in range(2))
-    dev = [None if t is None else t.cuda() for t in ops]
-    used = []
-
-    def gluon(*args):
-        used.append(kernels._gluon_dkdv(*args, bias=None, p_mode="direct"))
-        return used[-1]
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", RuntimeWarning)  # a Gluon failure warns and falls back
-        launcher()(*dev, causal, "direct", dq, dk, dv, dkdv_kernel=gluon)
-    torch.cuda.synchronize()
-    assert used == [True], "the Gluon dK/dV kernel did not take the call"
-    for name, got, want in (("dk", dk.cpu(), dk_triton), ("dv", dv.cpu(), dv_triton)):
+    _, dk, dv = run_through_gluon(ops, causal, "dkdv")
+    for name, got, want in (("dk", dk, dk_triton), ("dv", dv, dv_triton)):
         assert not got.isnan().any(), f"unwritten {name} rows"
         assert rel_l2(got, want) <= 1e-5, f"{name}: rel-L2 {rel_l2(got, want):.2e} against the Triton kernel"
         assert (got - want).abs().max() <= 1e-4 * want.abs().max(), f"{name}: max error"

@@ -37,7 +37,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ... import formats as F
-from .attention_bwd_dq import _ds_operand, _tma_ready
+from .attention_bwd_dq import _ds_operand, _issue_s_dp, _tma_ready
 from .attention_fwd import _layout, _mul_rn, _ping_pong_barriers, _probability
 
 BLOCK_N = F.KEY_TILE  # keys per program: one K scale block
@@ -119,10 +119,8 @@ def _consumer(qs_ptr, delta_ptr, ref_ptr, dos_ptr, vs_ptr, qes_ptr, dk_ptr, dv_p
         # Step 0: scores and dP only; each step c then issues tile c-1's products under S_c, dP_c.
         mbarrier.wait(q_ready.index(0), 0)
         mbarrier.wait(turn.index(WG), 0)
-        s = warpgroup_mma(k_op, q_bufs.index(0).reshape([BM, HEAD_DIM]).permute((1, 0)),
-                          gl.zeros([BN, BM], gl.int32, s_layout), use_acc=False, is_async=True)
-        dp = warpgroup_mma(v_op, do_bufs.index(0).reshape([BM, HEAD_DIM]).permute((1, 0)),
-                           gl.zeros([BN, BM], gl.float32, s_layout), use_acc=False, is_async=True)
+        s, dp = _issue_s_dp(k_op, q_bufs.index(0).reshape([BM, HEAD_DIM]), v_op,
+                            do_bufs.index(0).reshape([BM, HEAD_DIM]), BN, BM, s_layout)
         mbarrier.arrive(turn.index(1 - WG))
         s, dp = warpgroup_mma_wait(0, deps=(s, dp))
         mbarrier.arrive(q_empty.index(0))
@@ -135,10 +133,8 @@ def _consumer(qs_ptr, delta_ptr, ref_ptr, dos_ptr, vs_ptr, qes_ptr, dk_ptr, dv_p
             prev = (c - 1) % STAGES
             mbarrier.wait(q_ready.index(stage), (c // STAGES) & 1)
             mbarrier.wait(turn.index(WG), c & 1)
-            s = warpgroup_mma(k_op, q_bufs.index(stage).reshape([BM, HEAD_DIM]).permute((1, 0)),
-                              gl.zeros([BN, BM], gl.int32, s_layout), use_acc=False, is_async=True)
-            dp = warpgroup_mma(v_op, do_bufs.index(stage).reshape([BM, HEAD_DIM]).permute((1, 0)),
-                               gl.zeros([BN, BM], gl.float32, s_layout), use_acc=False, is_async=True)
+            s, dp = _issue_s_dp(k_op, q_bufs.index(stage).reshape([BM, HEAD_DIM]), v_op,
+                                do_bufs.index(stage).reshape([BM, HEAD_DIM]), BN, BM, s_layout)
             mbarrier.wait(t_ready.index(prev), ((c - 1) // STAGES) & 1)
             dv_part, part = _products(dv_part, part, p8, ds8, dot_bufs.index(prev), qet_bufs.index(prev),
                                       HEAD_DIM, BM)

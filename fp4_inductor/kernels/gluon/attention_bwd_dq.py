@@ -54,6 +54,17 @@ def _ds_operand(p, dp, delta, dov_scale):
 
 
 @gluon.jit
+def _issue_s_dp(s_a, s_b, dp_a, dp_b, M: gl.constexpr, N: gl.constexpr, layout: gl.constexpr):
+    """Issue S = s_a·s_bᵀ (INT8 into int32) and dP = dp_a·dp_bᵀ (8-bit floats into
+    float32), [M, N] in ``layout``, asynchronously; the operands are [rows, D] tiles in
+    shared memory."""
+    s = warpgroup_mma(s_a, s_b.permute((1, 0)), gl.zeros([M, N], gl.int32, layout), use_acc=False, is_async=True)
+    dp = warpgroup_mma(dp_a, dp_b.permute((1, 0)), gl.zeros([M, N], gl.float32, layout), use_acc=False,
+                       is_async=True)
+    return s, dp
+
+
+@gluon.jit
 def _step(j, state, q, do, rows, row_t, r, delta, dov_scale, ks_ptr, kes_ptr, NK, smem, bars,
           WG: gl.constexpr, HEAD_DIM: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
           CAUSAL: gl.constexpr, MASKED: gl.constexpr):
@@ -68,10 +79,8 @@ def _step(j, state, q, do, rows, row_t, r, delta, dov_scale, ks_ptr, kes_ptr, NK
     prev = (j - 1) % STAGES
     mbarrier.wait(kv_ready.index(stage), (j // STAGES) & 1)
     mbarrier.wait(turn.index(WG), j & 1)
-    s = warpgroup_mma(q, k_bufs.index(stage).reshape([BN, HEAD_DIM]).permute((1, 0)),
-                      gl.zeros([BM, BN], gl.int32, s_layout), use_acc=False, is_async=True)
-    dp = warpgroup_mma(do, v_bufs.index(stage).reshape([BN, HEAD_DIM]).permute((1, 0)),
-                       gl.zeros([BM, BN], gl.float32, s_layout), use_acc=False, is_async=True)
+    s, dp = _issue_s_dp(q, k_bufs.index(stage).reshape([BN, HEAD_DIM]), do, v_bufs.index(stage).reshape([BN, HEAD_DIM]),
+                        BM, BN, s_layout)
     mbarrier.wait(ke_ready.index(prev), ((j - 1) // STAGES) & 1)
     part = warpgroup_mma(_p_operand(ds8, a_layout, BM, BN), ke_bufs.index(prev).reshape([HEAD_DIM, BN])
                          .permute((1, 0)), part, use_acc=False, is_async=True)
@@ -114,10 +123,8 @@ def _consumer(qs_ptr, ks_ptr, kes_ptr, delta_ptr, ref_ptr, dq_ptr, smem, bars, d
     # Tile 0: S, dP and dS only; each step j then runs tile j-1's dS·Ke under S_j and dP_j.
     mbarrier.wait(kv_ready.index(0), 0)
     mbarrier.wait(turn.index(WG), 0)
-    s = warpgroup_mma(q, k_bufs.index(0).reshape([BN, HEAD_DIM]).permute((1, 0)),
-                      gl.zeros([BM, BN], gl.int32, s_layout), use_acc=False, is_async=True)
-    dp = warpgroup_mma(do, v_bufs.index(0).reshape([BN, HEAD_DIM]).permute((1, 0)),
-                       gl.zeros([BM, BN], gl.float32, s_layout), use_acc=False, is_async=True)
+    s, dp = _issue_s_dp(q, k_bufs.index(0).reshape([BN, HEAD_DIM]), do, v_bufs.index(0).reshape([BN, HEAD_DIM]), BM,
+                        BN, s_layout)
     mbarrier.arrive(turn.index(1 - WG))
     s, dp = warpgroup_mma_wait(0, deps=(s, dp))
     mbarrier.arrive(kv_empty.index(0))
