@@ -38,7 +38,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ... import formats as F
 from .attention_bwd_dq import _ds_operand, _issue_s_dp, _tma_ready
-from .attention_fwd import _layout, _mul_rn, _ping_pong_barriers, _probability
+from .attention_fwd import _layout, _mul_rn, _ping_pong_barriers, _probability, _wgmma_layout
 
 BLOCK_N = F.KEY_TILE  # keys per program: one K scale block
 BN_WG = BLOCK_N // 2  # keys per consumer warpgroup = one dS tile's keys
@@ -101,10 +101,8 @@ def _consumer(qs_ptr, delta_ptr, ref_ptr, dos_ptr, vs_ptr, qes_ptr, dk_ptr, dv_p
     k_smem, v_smem, q_bufs, do_bufs, dot_bufs, qet_bufs = smem
     kv_bar, q_ready, q_empty, t_ready, t_empty, turn = bars
     nw: gl.constexpr = gl.num_warps()
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[nw, 1],
-                                                       instr_shape=[16, BM, 32])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[nw, 1],
-                                                       instr_shape=[16, HEAD_DIM, 32])
+    s_layout: gl.constexpr = _wgmma_layout(BM, nw)
+    o_layout: gl.constexpr = _wgmma_layout(HEAD_DIM, nw)
     keys = k0 + WG * BN + gl.arange(0, BN, gl.SliceLayout(1, s_layout))
     v_scale = gl.load(vs_ptr + b * (H // GROUP) + kv_head)
     k_op = k_smem.index(WG).reshape([BN, HEAD_DIM])

@@ -32,7 +32,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ... import formats as F
 from .attention_fwd import (_e4m3, _layout, _p_operand, _ping_pong_barriers, _probability, _program_tiles,
-                            _scores)
+                            _scores, _wgmma_layout)
 
 BLOCK_N = F.KEY_TILE
 BM_WG = F.DS_TILE_DQ[0]  # query rows per consumer warpgroup = one dS tile's rows
@@ -103,10 +103,8 @@ def _consumer(qs_ptr, ks_ptr, kes_ptr, delta_ptr, ref_ptr, dq_ptr, smem, bars, d
     q_smem, do_smem, k_bufs, v_bufs, ke_bufs = smem
     in_bar, kv_ready, kv_empty, ke_ready, ke_empty, turn = bars
     nw: gl.constexpr = gl.num_warps()
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[nw, 1],
-                                                       instr_shape=[16, BN, 32])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[nw, 1],
-                                                       instr_shape=[16, HEAD_DIM, 32])
+    s_layout: gl.constexpr = _wgmma_layout(BN, nw)
+    o_layout: gl.constexpr = _wgmma_layout(HEAD_DIM, nw)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
 

@@ -54,6 +54,13 @@ _REGS = dict(CONSUMER_REGS=240, PRODUCER_REGS=24)
 _LAUNCH = dict(num_warps=4, maxnreg=168)
 
 
+@gluon.constexpr_function
+def _wgmma_layout(n, num_warps):
+    """Register layout of a Hopper wgmma result [rows, n] (8-bit operands: K step 32)
+    over a warpgroup's ``num_warps`` warps."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, n, 32])
+
+
 @gluon.jit
 def _mul_rn(a, b):
     """a * b rounded on its own (never contracted into a later FMA), as the reference."""
@@ -181,12 +188,9 @@ def _consumer(qs_ptr, ks_ptr, vs_ptr, out_ptr, lse_ptr, ref_ptr, smem, bars, out
     q_smem, k_bufs, v_bufs, ones = smem
     q_bar, k_ready, k_empty, v_ready, v_empty, turn = bars
     nw: gl.constexpr = gl.num_warps()
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[nw, 1],
-                                                       instr_shape=[16, BN, 32])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[nw, 1],
-                                                       instr_shape=[16, HEAD_DIM, 32])
-    l_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[nw, 1],
-                                                       instr_shape=[16, ONES_N, 32])
+    s_layout: gl.constexpr = _wgmma_layout(BN, nw)
+    o_layout: gl.constexpr = _wgmma_layout(HEAD_DIM, nw)
+    l_layout: gl.constexpr = _wgmma_layout(ONES_N, nw)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
 
