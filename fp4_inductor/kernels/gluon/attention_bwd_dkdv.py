@@ -38,7 +38,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ... import formats as F
 from .attention_bwd_dq import _ds_operand, _issue_s_dp, _tma_ready
-from .attention_fwd import _layout, _mul_rn, _ping_pong_barriers, _probability, _wgmma_layout
+from .attention_fwd import (_LAUNCH, _REGS, _compile_sm90, _layout, _mul_rn, _ping_pong_barriers, _probability,
+                            _tensor_desc, _wgmma_layout)
 
 BLOCK_N = F.KEY_TILE  # keys per program: one K scale block
 BN_WG = BLOCK_N // 2  # keys per consumer warpgroup = one dS tile's keys
@@ -227,8 +228,7 @@ def _dkdv_ws(k_desc, v_desc, q_desc, do_desc, dot_desc, qet_desc, qs_ptr, ks_ptr
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
-_CONSTEXPRS = dict(STAGES=NUM_STAGES, CONSUMER_REGS=240, PRODUCER_REGS=24)
-_LAUNCH = dict(num_warps=4, maxnreg=168)  # 12 warps share the register file
+_CONSTEXPRS = dict(STAGES=NUM_STAGES, **_REGS)
 
 
 def _token_major_desc(t, d, dtype):
@@ -282,20 +282,12 @@ def dkdv_backward(do, do_t, do_scale, delta, q, qe_t, qe_scale, k, v, q_scale, k
 
 def compile_for_sm90(d: int, causal: bool):
     """Compile without a GPU (Triton's bundled ptxas), for inspection: the compiled kernel."""
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    def desc(dt, block, dtype):
-        return f"tensordesc<{dt}[{', '.join(map(str, block))}],{_layout(block, dtype)!r}>"
-
-    sig = {"k_desc": desc("i8", [1, 1, BN_WG, d], gl.int8), "v_desc": desc("fp8e4nv", [1, 1, BN_WG, d], gl.float8e4nv),
-           "q_desc": desc("i8", [1, 1, BM, d], gl.int8), "do_desc": desc("fp8e5", [1, 1, BM, d], gl.float8e5),
-           "dot_desc": desc("fp8e5", [1, d, BM], gl.float8e5), "qet_desc": desc("fp8e4nv", [1, d, BM], gl.float8e4nv),
-           "dk_ptr": "*bf16", "dv_ptr": "*bf16"}
+    sig = {"k_desc": _tensor_desc("i8", [1, 1, BN_WG, d], gl.int8),
+           "v_desc": _tensor_desc("fp8e4nv", [1, 1, BN_WG, d], gl.float8e4nv),
+           "q_desc": _tensor_desc("i8", [1, 1, BM, d], gl.int8),
+           "do_desc": _tensor_desc("fp8e5", [1, 1, BM, d], gl.float8e5),
+           "dot_desc": _tensor_desc("fp8e5", [1, d, BM], gl.float8e5),
+           "qet_desc": _tensor_desc("fp8e4nv", [1, d, BM], gl.float8e4nv), "dk_ptr": "*bf16", "dv_ptr": "*bf16"}
     for name in ("qs_ptr", "ks_ptr", "vs_ptr", "dos_ptr", "qes_ptr", "delta_ptr", "ref_ptr"):
         sig[name] = "*fp32"
-    consts = dict(_CONSTEXPRS, HEAD_DIM=d, CAUSAL=causal)
-    for name in _dkdv_ws.arg_names:
-        sig.setdefault(name, "constexpr" if name in consts else "i32")
-    src = GluonASTSource(_dkdv_ws, sig, constexprs=consts)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=_LAUNCH)
+    return _compile_sm90(_dkdv_ws, sig, dict(_CONSTEXPRS, HEAD_DIM=d, CAUSAL=causal))

@@ -31,8 +31,8 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ... import formats as F
-from .attention_fwd import (_e4m3, _layout, _p_operand, _ping_pong_barriers, _probability, _program_tiles,
-                            _scores, _wgmma_layout)
+from .attention_fwd import (_LAUNCH, _REGS, _compile_sm90, _e4m3, _layout, _p_operand, _ping_pong_barriers,
+                            _probability, _program_tiles, _scores, _tensor_desc, _wgmma_layout)
 
 BLOCK_N = F.KEY_TILE
 BM_WG = F.DS_TILE_DQ[0]  # query rows per consumer warpgroup = one dS tile's rows
@@ -213,8 +213,7 @@ def _permuted_rows(t, d, dtype):
                             _layout(block, dtype))
 
 
-_CONSTEXPRS = dict(BN=BLOCK_N, STAGES=NUM_STAGES, CONSUMER_REGS=240, PRODUCER_REGS=24)
-_LAUNCH = dict(num_warps=4, maxnreg=168)  # 12 warps share the register file
+_CONSTEXPRS = dict(BN=BLOCK_N, STAGES=NUM_STAGES, **_REGS)
 
 
 def _tma_ready(t) -> bool:
@@ -264,20 +263,11 @@ def dq_backward(do, do_scale, delta, q, k, v, q_scale, k_scale, v_scale, ke_t, k
 
 def compile_for_sm90(d: int, causal: bool):
     """Compile without a GPU (Triton's bundled ptxas), for inspection: the compiled kernel."""
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    def desc(dt, block, dtype):
-        return f"tensordesc<{dt}[{', '.join(map(str, block))}],{_layout(block, dtype)!r}>"
-
     perm = [BLOCK_N // 16, 2, 4, 2, d]
-    sig = {"q_desc": desc("i8", [1, 1, BM_WG, d], gl.int8), "do_desc": desc("fp8e5", [1, 1, BM_WG, d], gl.float8e5),
-           "k_desc": desc("i8", perm, gl.int8), "v_desc": desc("fp8e4nv", perm, gl.float8e4nv),
-           "ke_desc": desc("fp8e4nv", [1, d, BLOCK_N], gl.float8e4nv), "dq_ptr": "*bf16"}
+    sig = {"q_desc": _tensor_desc("i8", [1, 1, BM_WG, d], gl.int8),
+           "do_desc": _tensor_desc("fp8e5", [1, 1, BM_WG, d], gl.float8e5),
+           "k_desc": _tensor_desc("i8", perm, gl.int8), "v_desc": _tensor_desc("fp8e4nv", perm, gl.float8e4nv),
+           "ke_desc": _tensor_desc("fp8e4nv", [1, d, BLOCK_N], gl.float8e4nv), "dq_ptr": "*bf16"}
     for name in ("qs_ptr", "ks_ptr", "kes_ptr", "dos_ptr", "vs_ptr", "delta_ptr", "ref_ptr"):
         sig[name] = "*fp32"
-    consts = dict(HEAD_DIM=d, CAUSAL=causal, **_CONSTEXPRS)
-    for name in _dq_ws.arg_names:
-        sig.setdefault(name, "constexpr" if name in consts else "i32")
-    src = GluonASTSource(_dq_ws, sig, constexprs=consts)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=_LAUNCH)
+    return _compile_sm90(_dq_ws, sig, dict(HEAD_DIM=d, CAUSAL=causal, **_CONSTEXPRS))

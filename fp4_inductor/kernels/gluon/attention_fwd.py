@@ -48,8 +48,9 @@ BM_WG = 64  # query rows per consumer warpgroup (two per program)
 ONES_N = gl.constexpr(8)  # the narrowest wgmma: P times [BN, 8] ones gives each row's sum 8 times
 E4M3_ONE = gl.constexpr(0x38)
 NUM_STAGES = 2  # K/V ring depth: 3 measured no faster on the H200 (docs/perf-notes.md)
-# Registers: setmaxnreg values of the worker partitions (the second consumer warpgroup,
-# the producer), and the launch's cap per thread (12 warps share the register file).
+# Registers of every ping-pong kernel here (forward, dQ, dK/dV): setmaxnreg values of the
+# worker partitions (the second consumer warpgroup, the producer), and the launch's cap
+# per thread (12 warps share the register file).
 _REGS = dict(CONSUMER_REGS=240, PRODUCER_REGS=24)
 _LAUNCH = dict(num_warps=4, maxnreg=168)
 
@@ -385,19 +386,27 @@ def attention_forward(q, k, v_t, q_scale, k_scale, v_scale, bias, causal, p_mode
         **_constexprs(d, causal, p_mode), **_LAUNCH)
 
 
-def compile_for_sm90(d: int, causal: bool, p_mode: str = "direct"):
-    """Compile without a GPU (Triton's bundled ptxas), for inspection: the compiled kernel."""
+def _tensor_desc(dt: str, block: list[int], dtype) -> str:
+    """A tensor descriptor's type in a compile signature (``_compile_sm90``)."""
+    return f"tensordesc<{dt}[{', '.join(map(str, block))}],{_layout(block, dtype)!r}>"
+
+
+def _compile_sm90(kernel, sig: dict, consts: dict):
+    """Compile a ping-pong kernel of this family for sm_90 without a GPU (Triton's bundled
+    ptxas): ``sig`` types its pointer and descriptor arguments; the rest are constexprs
+    where ``consts`` names them, else i32."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    def desc(dt, block, dtype):
-        return f"tensordesc<{dt}[{', '.join(map(str, block))}],{_layout(block, dtype)!r}>"
+    sig = dict(sig, **{name: "constexpr" if name in consts else "i32" for name in kernel.arg_names if name not in sig})
+    return triton.compile(GluonASTSource(kernel, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                          options=_LAUNCH)
 
-    sig = {"q_desc": desc("i8", [1, BM_WG, d], gl.int8), "k_desc": desc("i8", [BLOCK_N // 16, 2, 4, 2, d], gl.int8),
-           "v_desc": desc("fp8e4nv", [1, d, BLOCK_N], gl.float8e4nv), "qs_ptr": "*fp32", "ks_ptr": "*fp32",
+
+def compile_for_sm90(d: int, causal: bool, p_mode: str = "direct"):
+    """Compile without a GPU (Triton's bundled ptxas), for inspection: the compiled kernel."""
+    sig = {"q_desc": _tensor_desc("i8", [1, BM_WG, d], gl.int8),
+           "k_desc": _tensor_desc("i8", [BLOCK_N // 16, 2, 4, 2, d], gl.int8),
+           "v_desc": _tensor_desc("fp8e4nv", [1, d, BLOCK_N], gl.float8e4nv), "qs_ptr": "*fp32", "ks_ptr": "*fp32",
            "vs_ptr": "*fp32", "out_ptr": "*bf16", "lse_ptr": "*fp32", "ref_ptr": "*fp32"}
-    consts = _constexprs(d, causal, p_mode)
-    for name in _fwd_ws.arg_names:
-        sig.setdefault(name, "constexpr" if name in consts else "i32")
-    src = GluonASTSource(_fwd_ws, sig, constexprs=consts)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=_LAUNCH)
+    return _compile_sm90(_fwd_ws, sig, _constexprs(d, causal, p_mode))
