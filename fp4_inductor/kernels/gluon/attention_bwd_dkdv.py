@@ -37,7 +37,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ... import formats as F
-from .attention_bwd_dq import _ds_operand, _issue_s_dp, _tma_ready
+from .attention_bwd_dq import _ds_operand, _issue_s_dp, _tma_ready, _token_major_desc
 from .attention_fwd import (_LAUNCH, _REGS, _compile_sm90, _layout, _mul_rn, _ping_pong_barriers, _probability,
                             _tensor_desc, _wgmma_layout)
 
@@ -231,14 +231,6 @@ def _dkdv_ws(k_desc, v_desc, q_desc, do_desc, dot_desc, qet_desc, qs_ptr, ks_ptr
 _CONSTEXPRS = dict(STAGES=NUM_STAGES, **_REGS)
 
 
-def _token_major_desc(t, d, dtype):
-    """[B, H, D, N] token-major view (rows 16-byte aligned, the Triton launcher's
-    ``_token_major``) as [B*H, D, N] tiles of BM tokens."""
-    block = [1, d, BM]
-    return TensorDescriptor(t, [t.shape[0] * t.shape[1], d, t.shape[-1]], [t.stride(1), t.stride(2), 1], block,
-                            _layout(block, dtype))
-
-
 def supports(do, do_t, do_scale, delta, q, qe_t, qe_scale, k, v, q_scale, k_scale, v_scale, row_ref, causal, dk, dv,
              bias, p_mode) -> bool:
     """Whether this kernel can compute the call (module docstring).  Arguments as
@@ -273,8 +265,8 @@ def dkdv_backward(do, do_t, do_scale, delta, q, qe_t, qe_scale, k, v, q_scale, k
     q_desc = TensorDescriptor.from_tensor(q, q_block, _layout(q_block, gl.int8))
     do_desc = TensorDescriptor.from_tensor(do, q_block, _layout(q_block, gl.float8e5))
     _dkdv_ws[(triton.cdiv(nk, BLOCK_N), b * hkv)](
-        k_desc, v_desc, q_desc, do_desc, _token_major_desc(do_t, d, gl.float8e5),
-        _token_major_desc(qe_t, d, gl.float8e4nv),
+        k_desc, v_desc, q_desc, do_desc, _token_major_desc(do_t, BM, gl.float8e5),
+        _token_major_desc(qe_t, BM, gl.float8e4nv),
         q_scale, k_scale, v_scale, do_scale, qe_scale, delta, row_ref, dk, dv,
         *dk.stride(), k_scale.stride(1), qe_scale.stride(1), h, hkv, nq, nk,
         HEAD_DIM=d, CAUSAL=bool(causal), **_CONSTEXPRS, **_LAUNCH)

@@ -216,6 +216,14 @@ def _permuted_rows(t, d, dtype):
 _CONSTEXPRS = dict(BN=BLOCK_N, STAGES=NUM_STAGES, **_REGS)
 
 
+def _token_major_desc(t, tokens, dtype):
+    """[B, H, D, N] token-major view (rows 16-byte aligned, the Triton launcher's
+    ``_token_major``) as [B*H, D, N] tiles of ``tokens`` tokens."""
+    block = [1, t.shape[2], tokens]
+    return TensorDescriptor(t, [t.shape[0] * t.shape[1], t.shape[2], t.shape[3]], [t.stride(1), t.stride(2), 1],
+                            block, _layout(block, dtype))
+
+
 def _tma_ready(t) -> bool:
     """A TMA descriptor can address ``t`` in place: unit last stride, 16-byte aligned."""
     size = t.element_size()
@@ -250,12 +258,10 @@ def dq_backward(do, do_scale, delta, q, k, v, q_scale, k_scale, v_scale, ke_t, k
     q_block = [1, 1, BM_WG, d]
     q_desc = TensorDescriptor.from_tensor(q, q_block, _layout(q_block, gl.int8))
     do_desc = TensorDescriptor.from_tensor(do, q_block, _layout(q_block, gl.float8e5))
-    ke_block = [1, d, BLOCK_N]
-    ke_desc = TensorDescriptor(ke_t, [b * hkv, d, nk], [ke_t.stride(1), ke_t.stride(2), 1], ke_block,
-                               _layout(ke_block, gl.float8e4nv))
     k_scale, ke_scale = k_scale.reshape(b * hkv, -1), ke_scale.reshape(b * hkv, -1)
     _dq_ws[(triton.cdiv(nq, 2 * BM_WG), b * h)](
-        q_desc, do_desc, _permuted_rows(k, d, gl.int8), _permuted_rows(v, d, gl.float8e4nv), ke_desc,
+        q_desc, do_desc, _permuted_rows(k, d, gl.int8), _permuted_rows(v, d, gl.float8e4nv),
+        _token_major_desc(ke_t, BLOCK_N, gl.float8e4nv),
         q_scale, k_scale, ke_scale, do_scale.reshape(-1), v_scale.reshape(-1), delta, row_ref, dq,
         *dq.stride(), k_scale.stride(0), h, h // hkv, nq, nk,
         HEAD_DIM=d, CAUSAL=bool(causal), **_CONSTEXPRS, **_LAUNCH)
