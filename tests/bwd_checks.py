@@ -28,7 +28,9 @@ are set from those measurements; rule 1 stays exact because scores are INT8 prod
    dumps, so its scale tiles are checked by rule 3, through dK itself.
 3. dQ, dK, dV equal the products of the kernels' codes with the reference's operands:
    rel-L2 <= 2e-3, max |err| <= 2e-2 max |ref| (measured ~2e-4; a wrong tile scale or
-   tile shape, a missed or doubled tile, or a wrong GQA head is O(1e-2) rel-L2 or more).
+   tile shape, a missed or doubled tile, or a wrong GQA head is O(1e-2) rel-L2 or more),
+   plus, for dK, what an ulp of dP moves where dP - delta cancels (its codes are rebuilt
+   from the rounded dP; the kernel may fuse that rounding away).
 4. Against the reference gradients themselves: rel-L2 <= 1e-2 (measured up to 3e-3:
    the accumulation error moves dS codes that sit near midpoints).
 Outputs and dumps are poisoned with NaN first; inputs are fresh random data.
@@ -92,6 +94,10 @@ def _tiles(x, tile):
     return x.unflatten(-1, (-1, tn)).unflatten(-3, (-1, tm)).transpose(-3, -2)
 
 
+def _tile_amax(x, tile):
+    """Each element's ``tile`` amax of |x|, shaped like x."""
+    a = _tiles(x.abs(), tile).amax(dim=(-2, -1))
+    return a.repeat_interleave(tile[0], -2).repeat_interleave(tile[1], -1)[..., :x.shape[-2], :x.shape[-1]]
 
 
 def _e4m3(x):
@@ -144,7 +150,8 @@ def check(ops, causal, p_mode, grads, dumps):
     ds_unrounded = p_k * (dp - delta[..., None])
     noise = p_k * (1e-3 * (do.abs() @ v.abs().transpose(-1, -2)) + 1e-5 * delta.abs()[..., None])
     tile_dk = F.ds_tile_dk(d)
-    ds_dk = R.quantize_ds_tiles(p_k * (dp_k - delta[..., None]), tile_dk)
+    ds_dk_unrounded = p_k * (dp_k - delta[..., None])
+    ds_dk = R.quantize_ds_tiles(ds_dk_unrounded, tile_dk)
     _check_ds_codes(ds_dq, ds_unrounded, noise, F.DS_TILE_DQ)
     _check_ds_codes(ds_dk, ds_unrounded, noise, tile_dk)
 
@@ -153,11 +160,19 @@ def check(ops, causal, p_mode, grads, dumps):
     qd = F.dequantize_blockwise(qe, qes)
     expect = (ds_dq @ kd, R._group_sum(ds_dk.transpose(-1, -2) @ qd, hkv),
               R._group_sum(p_k.transpose(-1, -2) @ do, hkv))
-    for name, got, exp in zip("dq dk dv".split(), grads, expect):
-        rel = rel_l2(got, exp)
-        worst = ((got.double() - exp.double()).abs().max() / exp.abs().max().clamp_min(1e-30)).item()
-        assert rel <= 2e-3, f"{name}: rel-L2 {rel:.2e} against the products of the kernel's own codes"
-        assert worst <= 2e-2, f"{name}: max error {worst:.2e} of max |ref|"
+    # dK's codes are rebuilt from the dP dump, rounded to float32; the kernel may fuse that
+    # rounding away (dP's scaling and the subtraction of delta in one FMA).  Where dP - delta
+    # cancels (one key, say) that ulp moves dS, and the tile's amax scale with it.
+    fused = p_k * dp_k.abs() * 2.0**-23
+    ds_moved = fused + ds_dk.abs() * _tile_amax(fused, tile_dk) / _tile_amax(ds_dk_unrounded, tile_dk).clamp_min(1e-30)
+    carried = (torch.zeros(()), R._group_sum(ds_moved.transpose(-1, -2) @ qd.abs(), hkv), torch.zeros(()))
+    for name, got, exp, c in zip("dq dk dv".split(), grads, expect, carried):
+        err = (got.double() - exp.double()).abs()
+        rel, c = rel_l2(got, exp), c.double()
+        assert err.norm() <= 2e-3 * exp.double().norm() + c.norm(), \
+            f"{name}: rel-L2 {rel:.2e} against the products of the kernel's own codes"
+        assert (err <= 2e-2 * exp.abs().max() + c).all(), \
+            f"{name}: max error {err.max() / exp.abs().max().clamp_min(1e-30):.2e} of max |ref|"
 
     # 4. the reference itself
     # (dS that is zero up to rounding, e.g. one key, gives gradients made of that noise:
