@@ -5,7 +5,7 @@ emulation: the kernels compute the same numbers).
 
 Gradients of ``lowp_attention`` (causal, Gaussian inputs) against float64 autograd of
 exact attention, rel-L2 of dQ, dK, dV, for variants of two format choices the issue
-leaves open: the dS scale blocks (``formats.DS_TILE_DQ`` and ``ds_tile_dk``) and dO's format and scale
+leaves open: the dS scale blocks (``formats.DS_TILE_DQ`` and ``DS_TILE_DK``) and dO's format and scale
 granularity (``formats.quantize_do``).  Variants patch ``formats`` for the duration of a
 run; the shipped formats are the first row.  Writes grad_error_budget.json into
 --out-dir (default benchmarks/results).
@@ -68,15 +68,14 @@ VARIANTS = {  # name: (dS tile of both products, quantize_do); None keeps the sh
 
 @contextlib.contextmanager
 def patched(ds_tile, quantize_do):
-    saved = F.DS_TILE_DQ, F.ds_tile_dk, F.quantize_do
+    saved = F.DS_TILE_DQ, F.DS_TILE_DK, F.quantize_do
     if ds_tile:
-        F.DS_TILE_DQ = ds_tile
-        F.ds_tile_dk = lambda head_dim: ds_tile
+        F.DS_TILE_DQ = F.DS_TILE_DK = ds_tile
     F.quantize_do = quantize_do or F.quantize_do
     try:
         yield
     finally:
-        F.DS_TILE_DQ, F.ds_tile_dk, F.quantize_do = saved
+        F.DS_TILE_DQ, F.DS_TILE_DK, F.quantize_do = saved
 
 
 def gradients(fn, inputs, dout):

@@ -54,19 +54,12 @@ E2M1_BOUNDARIES = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 
 # dS is quantized with one amax scale per (queries, keys) tile, so that the scale factors
 # out of the product that consumes it.  dQ = dS Ke and dK = dS^T Qe run in separate
-# kernels, each quantizing the dS it computes over its own tile: 64 queries x 128 keys
-# for dQ (one consumer warpgroup's tile in the Gluon dQ kernel); for dK, by head dim, the
-# tile of the kernel that runs it on the H200: 64 x 64 at D = 64 (a warpgroup's tile in
-# the Gluon dK/dV kernel; the Triton kernel, which keeps exp, fp4 and biases there, runs
-# ~1.19x slower on it), 128 x 128 at D = 128 (the Triton kernel, 1.2x slower on 64 x 64
-# tiles: docs/perf-notes.md).  The tile shape does not change the gradient error
-# (benchmarks/grad_error_budget.py).
+# kernels, each quantizing the dS it computes over its own tile, a consumer warpgroup's
+# in the Gluon kernels: 64 queries x 128 keys for dQ, 64 x 64 for dK.  The Triton dK/dV
+# kernel, which keeps exp, fp4 and biases, walks 128 keys with one dS scale per half.  The
+# tile shape does not change the gradient error (benchmarks/grad_error_budget.py).
 DS_TILE_DQ = (64, 128)
-
-
-def ds_tile_dk(head_dim: int) -> tuple[int, int]:
-    """The dS tile (queries, keys) of the dK product at this head dim."""
-    return (64, 64) if head_dim == 64 else (128, 128)
+DS_TILE_DK = (64, 64)
 
 
 def p_lift(p_mode: str) -> float:

@@ -109,7 +109,7 @@ def attention_forward(
 
 def quantize_ds_tiles(ds: torch.Tensor, tile: tuple[int, int]) -> torch.Tensor:
     """dS rounded to E4M3 with one amax scale per ``tile`` (``formats.DS_TILE_DQ`` or
-    ``ds_tile_dk``) from element 0, returned dequantized."""
+    ``DS_TILE_DK``) from element 0, returned dequantized."""
     tm, tn = tile
     nq, nk = ds.shape[-2:]
     pm, pn = (-nq) % tm, (-nk) % tn
@@ -153,8 +153,7 @@ def attention_backward(
     r = row_ref.float()
     # Row blocks holding whole dQ and dK tiles: memory grows with N, not N**2, and the
     # dS tiles stay aligned at 0 as the kernels' are.
-    ds_tile_dk = F.ds_tile_dk(q8.shape[-1])
-    step = math.lcm(F.DS_TILE_DQ[0], ds_tile_dk[0])
+    step = math.lcm(F.DS_TILE_DQ[0], F.DS_TILE_DK[0])
     dq, dk, dv = [], 0.0, 0.0
     for start in range(0, nq, step):
         rows = slice(start, min(start + step, nq))
@@ -162,7 +161,7 @@ def attention_backward(
         p = _probability(x, r[..., rows, None], p_mode)
         ds = p * (do[..., rows, :] @ v.transpose(-1, -2) - delta[..., rows, None])
         dq.append(quantize_ds_tiles(ds, F.DS_TILE_DQ) @ k)
-        dk = dk + quantize_ds_tiles(ds, ds_tile_dk).transpose(-1, -2) @ q[..., rows, :]
+        dk = dk + quantize_ds_tiles(ds, F.DS_TILE_DK).transpose(-1, -2) @ q[..., rows, :]
         dv = dv + p.transpose(-1, -2) @ do[..., rows, :]
     dq = torch.cat(dq, dim=-2)
     return dq.to(out_dtype), _group_sum(dk, hkv).to(out_dtype), _group_sum(dv, hkv).to(out_dtype)

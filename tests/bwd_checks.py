@@ -19,7 +19,7 @@ are set from those measurements; rule 1 stays exact because scores are INT8 prod
 1. P codes are bit-identical to the reference's (integer scores, same formula).  One
    flipped code fails.  "exp" P uses the GPU's exp2 (MUFU, ~2 ulp) against the CPU's, so
    a value on an E4M3 rounding boundary may flip: at most one code in 10^4, one step.
-2. dS codes of both kernels (dQ's over 64x128 tiles, dK's over ``formats.ds_tile_dk``) equal the
+2. dS codes of both kernels (dQ's over 64x128 tiles, dK's over ``formats.DS_TILE_DK``) equal the
    reference's wherever the reference's unrounded dS/scale is farther from an E4M3
    rounding midpoint than the dP accumulation error (bounded here by 1e-3 of
    sum |dO| |V|, ~8x the measured error); any other difference fails, so a single
@@ -149,7 +149,7 @@ def check(ops, causal, p_mode, grads, dumps):
     # From the kernel's own P: equal to the reference's but for exp's allowed flips (rule 1).
     ds_unrounded = p_k * (dp - delta[..., None])
     noise = p_k * (1e-3 * (do.abs() @ v.abs().transpose(-1, -2)) + 1e-5 * delta.abs()[..., None])
-    tile_dk = F.ds_tile_dk(d)
+    tile_dk = F.DS_TILE_DK
     ds_dk_unrounded = p_k * (dp_k - delta[..., None])
     ds_dk = R.quantize_ds_tiles(ds_dk_unrounded, tile_dk)
     _check_ds_codes(ds_dq, ds_unrounded, noise, F.DS_TILE_DQ)

@@ -1,30 +1,32 @@
-"""Warp-specialised Hopper (sm_90) dK/dV kernel in Gluon, P mode ``direct``, D = 64.
+"""Warp-specialised Hopper (sm_90) dK/dV kernel in Gluon, P mode ``direct``, D = 64 and 128.
 
 The dK/dV half of ``kernels/triton/attention_bwd.py`` in the Gluon dQ kernel's structure:
 one program per 128 keys of one K/V head (one K scale block), a producer warp streaming
 the query side through a two-stage ring, two consumer warpgroups of 64 keys each taking
 turns on the tensor cores.  The ring holds, per query tile of 64 queries, the Q and dO rows
 (B operands of the scores and of dP) and their token-major Qeᵀ and dOᵀ tiles (B operands
-of the gradient products).  Per tile j and warpgroup, on transposed tiles [keys, queries]:
+of the gradient products).  Per tile and warpgroup, on transposed tiles [keys, queries]:
 
   Sᵀ = K·Qᵀ (INT8, exact),  dPᵀ = V·dOᵀ (E4M3 × E5M2),
   Pᵀ = Direct-P codes against the forward's row references (one per query, a column),
   dSᵀ = Pᵀ ∘ (dPᵀ·do_scale·v_scale − delta) → E4M3 with the amax scale of its 64×64 tile
-  (``formats.ds_tile_dk(64)``, one warpgroup's tile: no exchange between warpgroups),
+  (``formats.DS_TILE_DK``, one warpgroup's tile: no exchange between warpgroups),
   dV += (Pᵀ·dO)·do_scale and dK += (dSᵀ·Qe)·(ds_scale·qe_scale), each product summed in
-  float32 as the Triton kernel does (same numbers) — both issued in the next tile's turn.
+  float32 as the Triton kernel does (same numbers).
+
+A warpgroup issues its products one after the other (one float32 part live): the two
+warpgroups' turns overlap one's products with the other's scores.  Issuing a tile's
+products under the next tile's scores instead kept four [64, D] float32 accumulators
+live and spilled: 0.68-0.72x (D = 64) and 0.21-0.26x (D = 128) this order's speed on
+the H200 (docs/perf-notes.md).
 
 The query tiles of the GQA group's heads run one after the other in one sequence, so dK
 and dV are summed over the group without atomics.  Pᵀ and dSᵀ reach the A operand by a
 layout conversion (shuffles), and every tile is masked.
 
-Scope (``supports``): P mode direct, no bias, D = 64, where it measured 1.2-1.3x the
-Triton kernel on the same 64×64 dS tiles on the H200 (about 1.15x the Triton kernel on
-128×128 tiles, which D = 64 used before).  At D = 128 its four [64, 128] float32 accumulators per
-warpgroup (dK, dV and their per-tile products) spill and it measured 0.4-0.8x the Triton
-kernel (docs/perf-notes.md), so D = 128 stays there.  K, V and the row vectors contiguous,
-Q and dO with any strides TMA accepts, token-major dOᵀ and Qeᵀ as the Triton launcher
-makes them.
+Scope (``supports``): P mode direct, no bias, D = 64 or 128.  K, V and the row vectors
+contiguous, Q and dO with any strides TMA accepts, token-major dOᵀ and Qeᵀ as the Triton
+launcher makes them.
 """
 
 from __future__ import annotations
@@ -43,8 +45,8 @@ from .attention_fwd import (_LAUNCH, _REGS, _compile_sm90, _layout, _mul_rn, _pi
 
 BLOCK_N = F.KEY_TILE  # keys per program: one K scale block
 BN_WG = BLOCK_N // 2  # keys per consumer warpgroup = one dS tile's keys
-BM = F.ds_tile_dk(64)[0]  # queries per step = one dS tile's queries (the kernel's D)
-assert F.ds_tile_dk(64)[1] == BN_WG and F.SCALE_BLOCK % BM == 0
+BM = F.DS_TILE_DK[0]  # queries per step = one dS tile's queries
+assert F.DS_TILE_DK[1] == BN_WG and F.SCALE_BLOCK % BM == 0
 NUM_STAGES = 2
 LOG2E = gl.constexpr(1.4426950408889634)
 
@@ -74,27 +76,6 @@ def _tile(c, s, dp, keys, qs_ptr, delta_ptr, ref_ptr, dos_ptr, qes_ptr, b, kv_he
 
 
 @gluon.jit
-def _products(dv_part, part, p8, ds8, dot_buf, qet_buf, HEAD_DIM: gl.constexpr, BM: gl.constexpr):
-    """Issue Pᵀ·dO and dSᵀ·Qe asynchronously, into the dV and dK parts."""
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dv_part.type.layout, k_width=4)
-    pa = gl.convert_layout(p8, a_layout)
-    dot = dot_buf.reshape([HEAD_DIM, BM]).permute((1, 0))
-    dv_part = warpgroup_mma(pa, dot, dv_part, use_acc=False, is_async=True)
-    part = warpgroup_mma(gl.convert_layout(ds8, a_layout), qet_buf.reshape([HEAD_DIM, BM]).permute((1, 0)), part,
-                         use_acc=False, is_async=True)
-    return dv_part, part
-
-
-@gluon.jit
-def _accumulate(dk, dv, dv_part, part, scale, c, dos_ptr, b, kv_head, H, GROUP, n_q):
-    """Tile c's finished products join dK and dV: the dK part with its tile's scale, the
-    dV part with its query head's dO scale."""
-    dk = dk + part * scale
-    dv = dv + dv_part * gl.load(dos_ptr + b * H + kv_head * GROUP + c // n_q)
-    return dk, dv
-
-
-@gluon.jit
 def _consumer(qs_ptr, delta_ptr, ref_ptr, dos_ptr, vs_ptr, qes_ptr, dk_ptr, dv_ptr, smem, bars, out_strides,
               stride_qes, ks, b, kv_head, H, GROUP, k0, j_lo, n_q, NQ, NK,
               WG: gl.constexpr, HEAD_DIM: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
@@ -114,46 +95,34 @@ def _consumer(qs_ptr, delta_ptr, ref_ptr, dos_ptr, vs_ptr, qes_ptr, dk_ptr, dv_p
     # Also where no query tile sees these keys (causal, n_steps = 0): the program must not
     # exit while the producer's K and V loads still write its shared memory.
     mbarrier.wait(kv_bar, 0)
-    if n_steps > 0:
-        # Step 0: scores and dP only; each step c then issues tile c-1's products under S_c, dP_c.
-        mbarrier.wait(q_ready.index(0), 0)
-        mbarrier.wait(turn.index(WG), 0)
-        s, dp = _issue_s_dp(k_op, q_bufs.index(0).reshape([BM, HEAD_DIM]), v_op,
-                            do_bufs.index(0).reshape([BM, HEAD_DIM]), BN, BM, s_layout)
+    # One product part live at a time, none while Sᵀ and dPᵀ are: dK, dV and one part
+    # (3 x 64 registers a thread at D = 128), where issuing a tile's products under the next
+    # tile's scores kept four accumulators and spilled; the other warpgroup's turn keeps the
+    # tensor cores busy while this one waits on its products.
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
+    part = gl.zeros([BN, HEAD_DIM], gl.float32, o_layout)
+    for c in range(n_steps):
+        stage = c % STAGES
+        phase = (c // STAGES) & 1
+        mbarrier.wait(q_ready.index(stage), phase)
+        mbarrier.wait(turn.index(WG), c & 1)
+        s, dp = _issue_s_dp(k_op, q_bufs.index(stage).reshape([BM, HEAD_DIM]), v_op,
+                            do_bufs.index(stage).reshape([BM, HEAD_DIM]), BN, BM, s_layout)
         mbarrier.arrive(turn.index(1 - WG))
         s, dp = warpgroup_mma_wait(0, deps=(s, dp))
-        mbarrier.arrive(q_empty.index(0))
-        p8, ds8, scale = _tile(0, s, dp, keys, qs_ptr, delta_ptr, ref_ptr, dos_ptr, qes_ptr, b, kv_head, H, GROUP,
+        mbarrier.arrive(q_empty.index(stage))
+        p8, ds8, scale = _tile(c, s, dp, keys, qs_ptr, delta_ptr, ref_ptr, dos_ptr, qes_ptr, b, kv_head, H, GROUP,
                                j_lo, n_q, NQ, NK, ks, v_scale, stride_qes, BM, CAUSAL)
-        part = gl.zeros([BN, HEAD_DIM], gl.float32, o_layout)
-        dv_part = gl.zeros([BN, HEAD_DIM], gl.float32, o_layout)
-        for c in range(1, n_steps):
-            stage = c % STAGES
-            prev = (c - 1) % STAGES
-            mbarrier.wait(q_ready.index(stage), (c // STAGES) & 1)
-            mbarrier.wait(turn.index(WG), c & 1)
-            s, dp = _issue_s_dp(k_op, q_bufs.index(stage).reshape([BM, HEAD_DIM]), v_op,
-                                do_bufs.index(stage).reshape([BM, HEAD_DIM]), BN, BM, s_layout)
-            mbarrier.wait(t_ready.index(prev), ((c - 1) // STAGES) & 1)
-            dv_part, part = _products(dv_part, part, p8, ds8, dot_bufs.index(prev), qet_bufs.index(prev),
-                                      HEAD_DIM, BM)
-            mbarrier.arrive(turn.index(1 - WG))
-            s, dp = warpgroup_mma_wait(2, deps=(s, dp))
-            mbarrier.arrive(q_empty.index(stage))
-            p8_new, ds8_new, scale_new = _tile(c, s, dp, keys, qs_ptr, delta_ptr, ref_ptr, dos_ptr, qes_ptr, b,
-                                               kv_head, H, GROUP, j_lo, n_q, NQ, NK, ks, v_scale, stride_qes, BM,
-                                               CAUSAL)
-            dv_part, part = warpgroup_mma_wait(0, deps=(dv_part, part))
-            mbarrier.arrive(t_empty.index(prev))
-            dk, dv = _accumulate(dk, dv, dv_part, part, scale, c - 1, dos_ptr, b, kv_head, H, GROUP, n_q)
-            p8, ds8, scale = p8_new, ds8_new, scale_new
-        last = (n_steps - 1) % STAGES
-        mbarrier.wait(t_ready.index(last), ((n_steps - 1) // STAGES) & 1)
-        dv_part, part = _products(dv_part, part, p8, ds8, dot_bufs.index(last), qet_bufs.index(last), HEAD_DIM,
-                                  BM)
-        dv_part, part = warpgroup_mma_wait(0, deps=(dv_part, part))
-        mbarrier.arrive(t_empty.index(last))
-        dk, dv = _accumulate(dk, dv, dv_part, part, scale, n_steps - 1, dos_ptr, b, kv_head, H, GROUP, n_q)
+        mbarrier.wait(t_ready.index(stage), phase)
+        part = warpgroup_mma(gl.convert_layout(p8, a_layout), dot_bufs.index(stage).reshape([HEAD_DIM, BM])
+                             .permute((1, 0)), part, use_acc=False, is_async=True)
+        part = warpgroup_mma_wait(0, deps=(part,))
+        dv = dv + part * gl.load(dos_ptr + b * H + kv_head * GROUP + c // n_q)  # the query head's dO scale
+        part = warpgroup_mma(gl.convert_layout(ds8, a_layout), qet_bufs.index(stage).reshape([HEAD_DIM, BM])
+                             .permute((1, 0)), part, use_acc=False, is_async=True)
+        part = warpgroup_mma_wait(0, deps=(part,))
+        mbarrier.arrive(t_empty.index(stage))
+        dk = dk + part * scale
 
     rows = k0 + WG * BN + gl.arange(0, BN, gl.SliceLayout(1, o_layout))
     cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, o_layout))
@@ -238,7 +207,7 @@ def supports(do, do_t, do_scale, delta, q, qe_t, qe_scale, k, v, q_scale, k_scal
     b, h, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
     rows = (h * nq, nq, 1)
-    return (p_mode == "direct" and bias is None and d == 64 and nq > 0 and nk > 0
+    return (p_mode == "direct" and bias is None and d in (64, 128) and nq > 0 and nk > 0
             and h % hkv == 0 and b * hkv < 65536  # the grid's second dimension
             and q.dtype == k.dtype == torch.int8 and do.dtype == do_t.dtype == F.E5M2
             and v.dtype == qe_t.dtype == F.E4M3

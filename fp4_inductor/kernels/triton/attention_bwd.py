@@ -2,8 +2,7 @@
 
 Computes what ``reference.attention_backward`` specifies.  Per tile of 128 keys (a K scale
 block) and 64 queries (dQ kernel, ``formats.DS_TILE_DQ``) or the dK tile's (dK/dV kernel,
-``formats.ds_tile_dk``: 64 at D = 64, with one dS scale per half of the keys; 128 at
-D = 128):
+``formats.DS_TILE_DK``: 64, with one dS scale per half of the keys):
   x = int8 q.k * (q_scale * log2e * k_scale) [+ bias], masked     (exact int32 products)
   p = formats.probability_operand(x, r)  (r: the forward's row reference; bit-identical codes)
   dP = (E5M2 dO . E4M3 V^T) * do_scale * v_scale
@@ -65,7 +64,7 @@ _P_MODE_ID = {"direct": 0, "exp": 1, "fp4": 2}
 BLOCK_N = F.KEY_TILE
 BLOCK_M_DQ = F.DS_TILE_DQ[0]
 assert F.DS_TILE_DQ[1] == BLOCK_N == F.KEY_TILE == F.SCALE_BLOCK == 128
-assert all(F.SCALE_BLOCK % F.ds_tile_dk(d)[0] == 0 and BLOCK_N % F.ds_tile_dk(d)[1] == 0 for d in (64, 128))
+assert F.SCALE_BLOCK % F.DS_TILE_DK[0] == 0 and BLOCK_N % F.DS_TILE_DK[1] == 0
 
 
 @triton.jit
@@ -441,7 +440,7 @@ def attention_backward(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale
             *do.stride(), *do_t.stride(), *do_scale.stride(), *delta.stride(), *q.stride(), *k.stride(), *v.stride(),
             *q_scale.stride(), *k_scale.stride(), *v_scale.stride(), *qe_t.stride(), *qe_scale.stride(),
             *common_tail, *dk.stride(), *dv.stride(),
-            h, hkv, h // hkv, nq, nk, BLOCK_M=F.ds_tile_dk(d)[0], KEY_SPLIT=BLOCK_N // F.ds_tile_dk(d)[1], **consts,
+            h, hkv, h // hkv, nq, nk, BLOCK_M=F.DS_TILE_DK[0], KEY_SPLIT=BLOCK_N // F.DS_TILE_DK[1], **consts,
             num_warps=warps, num_stages=stages,
         )
 
