@@ -19,8 +19,8 @@ are set from those measurements; rule 1 stays exact because scores are INT8 prod
 1. P codes are bit-identical to the reference's (integer scores, same formula).  One
    flipped code fails.  "exp" P uses the GPU's exp2 (MUFU, ~2 ulp) against the CPU's, so
    a value on an E4M3 rounding boundary may flip: at most one code in 10^4, one step.
-2. dS codes of both kernels (dQ's over 64x128 tiles, dK's over ``formats.DS_TILE_DK``) equal the
-   reference's wherever the reference's unrounded dS/scale is farther from an E4M3
+2. dS codes of both kernels (over ``formats.DS_TILE_DQ`` and ``DS_TILE_DK`` tiles) equal
+   the reference's wherever the reference's unrounded dS/scale is farther from an E4M3
    rounding midpoint than the dP accumulation error (bounded here by 1e-3 of
    sum |dO| |V|, ~8x the measured error); any other difference fails, so a single
    wrongly computed code fails.  At most 1 % of codes may sit in that band.  dQ's codes
@@ -126,7 +126,7 @@ def _check_ds_codes(ds_kernel, ds_unrounded, noise, tile):
 
 def check(ops, causal, p_mode, grads, dumps):
     do8, dos, delta, q8, k8, vt, qs, ks, vs, qe, qes, ke, kes, bias, row_ref = ops
-    h, hkv, d = q8.shape[1], k8.shape[1], q8.shape[-1]
+    h, hkv = q8.shape[1], k8.shape[1]
     for g in grads:
         assert not g.isnan().any(), "unwritten or NaN gradient"
     p_k, dp_k, ds_dq = dumps
@@ -149,11 +149,10 @@ def check(ops, causal, p_mode, grads, dumps):
     # From the kernel's own P: equal to the reference's but for exp's allowed flips (rule 1).
     ds_unrounded = p_k * (dp - delta[..., None])
     noise = p_k * (1e-3 * (do.abs() @ v.abs().transpose(-1, -2)) + 1e-5 * delta.abs()[..., None])
-    tile_dk = F.DS_TILE_DK
     ds_dk_unrounded = p_k * (dp_k - delta[..., None])
-    ds_dk = R.quantize_ds_tiles(ds_dk_unrounded, tile_dk)
+    ds_dk = R.quantize_ds_tiles(ds_dk_unrounded, F.DS_TILE_DK)
     _check_ds_codes(ds_dq, ds_unrounded, noise, F.DS_TILE_DQ)
-    _check_ds_codes(ds_dk, ds_unrounded, noise, tile_dk)
+    _check_ds_codes(ds_dk, ds_unrounded, noise, F.DS_TILE_DK)
 
     # 3. gradients = products of what the kernels multiplied
     kd = R._heads(F.dequantize_blockwise(ke, kes), h)
@@ -164,7 +163,8 @@ def check(ops, causal, p_mode, grads, dumps):
     # rounding away (dP's scaling and the subtraction of delta in one FMA).  Where dP - delta
     # cancels (one key, say) that ulp moves dS, and the tile's amax scale with it.
     fused = p_k * dp_k.abs() * 2.0**-23
-    ds_moved = fused + ds_dk.abs() * _tile_amax(fused, tile_dk) / _tile_amax(ds_dk_unrounded, tile_dk).clamp_min(1e-30)
+    scale_moved = _tile_amax(fused, F.DS_TILE_DK) / _tile_amax(ds_dk_unrounded, F.DS_TILE_DK).clamp_min(1e-30)
+    ds_moved = fused + ds_dk.abs() * scale_moved
     carried = (torch.zeros(()), R._group_sum(ds_moved.transpose(-1, -2) @ qd.abs(), hkv), torch.zeros(()))
     for name, got, exp, c in zip("dq dk dv".split(), grads, expect, carried):
         err = (got.double() - exp.double()).abs()
