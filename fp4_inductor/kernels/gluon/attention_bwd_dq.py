@@ -9,12 +9,13 @@ warpgroups of 64 rows taking turns on the tensor cores.  Per key tile j and warp
   P = Direct-P codes against the forward's row reference,
   dS = P ∘ (dP·do_scale·v_scale − delta) → E4M3 with the amax scale of its 64×128 tile
   (``formats.DS_TILE_DQ``, one warpgroup's tile: no exchange between warpgroups),
-  dQ += (dS·Ke)·(ds_scale·ke_scale)  — issued in the next tile's turn, as the forward's P·V.
+  dQ += (dS·Ke)·(ds_scale·ke_scale)  — issued once dS is ready, one product in flight.
 
-It computes the numbers of the Triton dQ kernel (bit-identical on the H200) 1.5x (D=128)
-to 1.9x (D=64) faster (docs/perf-notes.md), though at D=128 its key-tile loop spills
-(~146 local-memory accesses per tile: dQ, its in-flight part, S and dP hold 4 x 64
-registers); 64-key tiles would halve S and dP.
+It computes the numbers of the Triton dQ kernel (the same tiles and formulas).  Issuing
+tile j-1's product under tile j's S and dP instead (the forward's P·V order) kept four
+[64, D] float32 tiles live and spilled at D = 128 (a 320-byte frame, ~2 KB of spill
+stores; on the H200 a third of its stalls waited on local memory); in this order neither
+head dim spills (docs/perf-notes.md).
 
 Scope (``supports``): P mode direct, no bias, D in {64, 128}, Nk a multiple of 16; Q, K,
 V and the row vectors contiguous, dO with any strides TMA accepts, dQ (stored through
@@ -65,34 +66,32 @@ def _issue_s_dp(s_a, s_b, dp_a, dp_b, M: gl.constexpr, N: gl.constexpr, layout: 
 
 
 @gluon.jit
-def _step(j, state, q, do, rows, row_t, r, delta, dov_scale, ks_ptr, kes_ptr, NK, smem, bars,
+def _step(j, dq, q, do, rows, row_t, r, delta, dov_scale, ks_ptr, kes_ptr, NK, smem, bars,
           WG: gl.constexpr, HEAD_DIM: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
           CAUSAL: gl.constexpr, MASKED: gl.constexpr):
-    """Key tile j: S_j and dP_j on the tensor cores with tile j-1's dS·Ke; dS_j; then tile
-    j-1's product joins dQ (two-level accumulation, each tile's scales on its product)."""
-    dq, part, ds8, ds_scale = state
+    """Key tile j: S_j and dP_j on the tensor cores, dS_j, then its product dS_j·Ke_j,
+    which joins dQ with the tile's scales (two-level accumulation)."""
     q_smem, do_smem, k_bufs, v_bufs, ke_bufs = smem
     in_bar, kv_ready, kv_empty, ke_ready, ke_empty, turn = bars
-    s_layout: gl.constexpr = ds8.type.layout
+    s_layout: gl.constexpr = _wgmma_layout(BN, gl.num_warps())
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dq.type.layout, k_width=4)
     stage = j % STAGES
-    prev = (j - 1) % STAGES
-    mbarrier.wait(kv_ready.index(stage), (j // STAGES) & 1)
+    phase = (j // STAGES) & 1
+    mbarrier.wait(kv_ready.index(stage), phase)
     mbarrier.wait(turn.index(WG), j & 1)
     s, dp = _issue_s_dp(q, k_bufs.index(stage).reshape([BN, HEAD_DIM]), do, v_bufs.index(stage).reshape([BN, HEAD_DIM]),
                         BM, BN, s_layout)
-    mbarrier.wait(ke_ready.index(prev), ((j - 1) // STAGES) & 1)
-    part = warpgroup_mma(_p_operand(ds8, a_layout, BM, BN), ke_bufs.index(prev).reshape([HEAD_DIM, BN])
-                         .permute((1, 0)), part, use_acc=False, is_async=True)
     mbarrier.arrive(turn.index(1 - WG))
-    s, dp = warpgroup_mma_wait(1, deps=(s, dp))
+    s, dp = warpgroup_mma_wait(0, deps=(s, dp))
     mbarrier.arrive(kv_empty.index(stage))
     p = _probability(_scores(s, row_t, ks_ptr, j, rows, NK, BN, CAUSAL, MASKED), r[:, None], False).to(gl.float32)
-    ds8_new, ds_scale_new = _ds_operand(p, dp, delta[:, None], dov_scale)
+    ds8, ds_scale = _ds_operand(p, dp, delta[:, None], dov_scale)
+    mbarrier.wait(ke_ready.index(stage), phase)
+    part = warpgroup_mma(_p_operand(ds8, a_layout, BM, BN), ke_bufs.index(stage).reshape([HEAD_DIM, BN])
+                         .permute((1, 0)), gl.zeros_like(dq), use_acc=False, is_async=True)
     part = warpgroup_mma_wait(0, deps=(part,))
-    mbarrier.arrive(ke_empty.index(prev))
-    dq = dq + part * (ds_scale * gl.load(kes_ptr + j - 1))
-    return dq, part, ds8_new, ds_scale_new
+    mbarrier.arrive(ke_empty.index(stage))
+    return dq + part * (ds_scale * gl.load(kes_ptr + j))
 
 
 @gluon.jit
@@ -103,10 +102,8 @@ def _consumer(qs_ptr, ks_ptr, kes_ptr, delta_ptr, ref_ptr, dq_ptr, smem, bars, d
     q_smem, do_smem, k_bufs, v_bufs, ke_bufs = smem
     in_bar, kv_ready, kv_empty, ke_ready, ke_empty, turn = bars
     nw: gl.constexpr = gl.num_warps()
-    s_layout: gl.constexpr = _wgmma_layout(BN, nw)
     o_layout: gl.constexpr = _wgmma_layout(HEAD_DIM, nw)
-    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
+    row_s: gl.constexpr = gl.SliceLayout(1, _wgmma_layout(BN, nw))
 
     rows = start_m + WG * BM + gl.arange(0, BM, row_s)
     row_ok = rows < NQ
@@ -118,32 +115,18 @@ def _consumer(qs_ptr, ks_ptr, kes_ptr, delta_ptr, ref_ptr, dq_ptr, smem, bars, d
     do = do_smem.index(WG).reshape([BM, HEAD_DIM])
     mbarrier.wait(in_bar, 0)
 
-    # Tile 0: S, dP and dS only; each step j then runs tile j-1's dS·Ke under S_j and dP_j.
-    mbarrier.wait(kv_ready.index(0), 0)
-    mbarrier.wait(turn.index(WG), 0)
-    s, dp = _issue_s_dp(q, k_bufs.index(0).reshape([BN, HEAD_DIM]), do, v_bufs.index(0).reshape([BN, HEAD_DIM]), BM,
-                        BN, s_layout)
-    mbarrier.arrive(turn.index(1 - WG))
-    s, dp = warpgroup_mma_wait(0, deps=(s, dp))
-    mbarrier.arrive(kv_empty.index(0))
-    p = _probability(_scores(s, row_t, ks_ptr, 0, rows, NK, BN, CAUSAL, True), r[:, None], False).to(gl.float32)
-    ds8, ds_scale = _ds_operand(p, dp, delta[:, None], dov_scale)
-    state = (gl.zeros([BM, HEAD_DIM], gl.float32, o_layout), gl.zeros([BM, HEAD_DIM], gl.float32, o_layout),
-             ds8, ds_scale)
+    # One product in flight, none while S and dP are: dQ, S and dP (3 x 64 registers a
+    # thread at D = 128), where issuing tile j-1's product under S_j and dP_j kept dQ, its
+    # part, S and dP live and spilled; the other warpgroup's turn keeps the tensor cores
+    # busy while this one waits on its product.
+    dq = _step(0, gl.zeros([BM, HEAD_DIM], gl.float32, o_layout), q, do, rows, row_t, r, delta, dov_scale, ks_ptr,
+               kes_ptr, NK, smem, bars, WG, HEAD_DIM, BM, BN, STAGES, CAUSAL, True)  # _program_tiles: masked
     for j in range(1, n_full):
-        state = _step(j, state, q, do, rows, row_t, r, delta, dov_scale, ks_ptr, kes_ptr, NK, smem, bars, WG,
-                      HEAD_DIM, BM, BN, STAGES, CAUSAL, False)
+        dq = _step(j, dq, q, do, rows, row_t, r, delta, dov_scale, ks_ptr, kes_ptr, NK, smem, bars, WG, HEAD_DIM, BM,
+                   BN, STAGES, CAUSAL, False)
     for j in range(n_full, n_tiles):
-        state = _step(j, state, q, do, rows, row_t, r, delta, dov_scale, ks_ptr, kes_ptr, NK, smem, bars, WG,
-                      HEAD_DIM, BM, BN, STAGES, CAUSAL, True)
-    dq, part, ds8, ds_scale = state
-    last = (n_tiles - 1) % STAGES
-    mbarrier.wait(ke_ready.index(last), ((n_tiles - 1) // STAGES) & 1)
-    part = warpgroup_mma(_p_operand(ds8, a_layout, BM, BN), ke_bufs.index(last).reshape([HEAD_DIM, BN])
-                         .permute((1, 0)), part, use_acc=False, is_async=True)
-    part = warpgroup_mma_wait(0, deps=(part,))
-    mbarrier.arrive(ke_empty.index(last))
-    dq = dq + part * (ds_scale * gl.load(kes_ptr + n_tiles - 1))
+        dq = _step(j, dq, q, do, rows, row_t, r, delta, dov_scale, ks_ptr, kes_ptr, NK, smem, bars, WG, HEAD_DIM, BM,
+                   BN, STAGES, CAUSAL, True)
 
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     rows_o = start_m + WG * BM + gl.arange(0, BM, row_o)
