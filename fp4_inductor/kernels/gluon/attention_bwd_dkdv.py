@@ -4,8 +4,10 @@ The dK/dV half of ``kernels/triton/attention_bwd.py`` in the Gluon dQ kernel's s
 one program per 128 keys of one K/V head (one K scale block), a producer warp streaming
 the query side through a two-stage ring, two consumer warpgroups of 64 keys each taking
 turns on the tensor cores.  The ring holds, per query tile of 64 queries, the Q and dO rows
-(B operands of the scores and of dP) and their token-major Qeᵀ and dOᵀ tiles (B operands
-of the gradient products).  Per tile and warpgroup, on transposed tiles [keys, queries]:
+(B operands of the scores and of dP), their token-major Qeᵀ and dOᵀ tiles (B operands
+of the gradient products) and the tile's per-query vectors (q_scale·log2e, row reference,
+delta), which a transposed tile needs per column: loaded by TMA ahead of use, not by each
+consumer thread after its scores.  Per tile and warpgroup, on transposed tiles [keys, queries]:
 
   Sᵀ = K·Qᵀ (INT8, exact),  dPᵀ = V·dOᵀ (E4M3 × E5M2),
   Pᵀ = Direct-P codes against the forward's row references (one per query, a column),
@@ -23,8 +25,7 @@ the H200 (docs/perf-notes.md).
 The query tiles of the GQA group's heads run one after the other in one sequence, so dK
 and dV are summed over the group without atomics.  Pᵀ and dSᵀ reach the A operand by a
 layout conversion (shuffles).  Only tiles that cross the causal diagonal or the end of
-the keys or queries are masked (a runtime branch per step between two compiled bodies):
-at D = 64 a whole tile's step is ~15 % fewer instructions than a masked one's.
+the keys or queries are masked (a runtime branch per step between two compiled bodies).
 
 Scope (``supports``): P mode direct, no bias, D = 64 or 128.  K, V and the row vectors
 contiguous, Q and dO with any strides TMA accepts, token-major dOᵀ and Qeᵀ as the Triton
@@ -54,38 +55,35 @@ LOG2E = gl.constexpr(1.4426950408889634)
 
 
 @gluon.jit
-def _tile(h, start_m, s, dp, keys, qs_ptr, delta_ptr, ref_ptr, dos_ptr, qes_ptr, b, H, NQ, NK, ks, v_scale,
-          stride_qes, BM: gl.constexpr, CAUSAL: gl.constexpr, MASKED: gl.constexpr):
-    """Pᵀ and dSᵀ operands of the query tile at ``start_m`` of head ``h`` from its scores
-    and dP, and the scale of its dK product.  MASKED: keys past NK, queries past NQ and
+def _tile(h, start_m, s, dp, keys, vecs, dos_ptr, qes_ptr, b, H, NQ, NK, ks, v_scale, stride_qes,
+          BM: gl.constexpr, CAUSAL: gl.constexpr, MASKED: gl.constexpr):
+    """Pᵀ and dSᵀ operands of the query tile at ``start_m`` of head ``h`` from its scores,
+    dP and its row vectors in shared memory (``vecs``: q_scale·log2e, row reference,
+    delta), and the scale of its dK product.  MASKED: keys past NK, queries past NQ and
     (causal) keys after the query masked; else the tile is known whole."""
-    cols = start_m + gl.arange(0, BM, gl.SliceLayout(0, s.type.layout))
-    ok = cols < NQ
-    if not MASKED:
-        ok = gl.full_like(ok, True)  # constant: the loads below carry no mask
-    row = (b * H + h) * NQ + cols  # the row vectors are contiguous [B, H, Nq]
-    t = gl.load(qs_ptr + row, mask=ok, other=0.0) * LOG2E * ks  # rounded as the reference's row * col
+    col_layout: gl.constexpr = gl.SliceLayout(0, s.type.layout)
+    t = vecs[0].load(col_layout) * ks  # rounded as the reference's row * col
     x = _mul_rn(s.to(gl.float32), t[None, :])
-    if MASKED:
-        live = (keys < NK)[:, None] & ok[None, :]
+    if MASKED:  # (columns past NQ hold zeros)
+        cols = start_m + gl.arange(0, BM, col_layout)
+        live = (keys < NK)[:, None] & (cols < NQ)[None, :]
         if CAUSAL:
             live = live & (keys[:, None] <= cols[None, :])
         x = gl.where(live, x, float("-inf"))
-    r = gl.load(ref_ptr + row, mask=ok, other=0.0)
-    p8 = _probability(x, r[None, :], False)
+    p8 = _probability(x, vecs[1].load(col_layout)[None, :], False)
     dov_scale = gl.load(dos_ptr + b * H + h) * v_scale
-    delta = gl.load(delta_ptr + row, mask=ok, other=0.0)
+    delta = vecs[2].load(col_layout)
     ds8, ds_scale = _ds_operand(p8.to(gl.float32), dp, delta[None, :], dov_scale)
     qe_scale = gl.load(qes_ptr + (b * H + h) * stride_qes + start_m // 128)  # formats.SCALE_BLOCK
     return p8, ds8, ds_scale * qe_scale
 
 
 @gluon.jit
-def _consumer(qs_ptr, delta_ptr, ref_ptr, dos_ptr, vs_ptr, qes_ptr, dk_ptr, dv_ptr, smem, bars, out_strides,
+def _consumer(dos_ptr, vs_ptr, qes_ptr, dk_ptr, dv_ptr, smem, bars, out_strides,
               stride_qes, ks, b, kv_head, H, GROUP, k0, j_lo, n_q, NQ, NK,
               WG: gl.constexpr, HEAD_DIM: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
               STAGES: gl.constexpr, CAUSAL: gl.constexpr):
-    k_smem, v_smem, q_bufs, do_bufs, dot_bufs, qet_bufs = smem
+    k_smem, v_smem, q_bufs, do_bufs, dot_bufs, qet_bufs, row_bufs = smem
     kv_bar, q_ready, q_empty, t_ready, t_empty, turn = bars
     nw: gl.constexpr = gl.num_warps()
     s_layout: gl.constexpr = _wgmma_layout(BM, nw)
@@ -122,17 +120,18 @@ def _consumer(qs_ptr, delta_ptr, ref_ptr, dos_ptr, vs_ptr, qes_ptr, dk_ptr, dv_p
         whole = (start_m + BM <= NQ) & (last_key < NK)
         if CAUSAL:
             whole = whole & (last_key <= start_m)
+        mbarrier.wait(t_ready.index(stage), phase)  # also the row vectors, read by _tile
+        vecs = (row_bufs[0].index(stage), row_bufs[1].index(stage), row_bufs[2].index(stage))
         if whole:
-            p8, ds8, scale = _tile(h, start_m, s, dp, keys, qs_ptr, delta_ptr, ref_ptr, dos_ptr, qes_ptr, b, H, NQ, NK,
-                                   ks, v_scale, stride_qes, BM, CAUSAL, False)
+            p8, ds8, scale = _tile(h, start_m, s, dp, keys, vecs, dos_ptr, qes_ptr, b, H, NQ, NK, ks, v_scale,
+                                   stride_qes, BM, CAUSAL, False)
         else:
-            p8, ds8, scale = _tile(h, start_m, s, dp, keys, qs_ptr, delta_ptr, ref_ptr, dos_ptr, qes_ptr, b, H, NQ, NK,
-                                   ks, v_scale, stride_qes, BM, CAUSAL, True)
-        mbarrier.wait(t_ready.index(stage), phase)
+            p8, ds8, scale = _tile(h, start_m, s, dp, keys, vecs, dos_ptr, qes_ptr, b, H, NQ, NK, ks, v_scale,
+                                   stride_qes, BM, CAUSAL, True)
         part = warpgroup_mma(gl.convert_layout(p8, a_layout), dot_bufs.index(stage).reshape([HEAD_DIM, BM])
                              .permute((1, 0)), part, use_acc=False, is_async=True)
         part = warpgroup_mma_wait(0, deps=(part,))
-        dv = dv + part * gl.load(dos_ptr + b * H + kv_head * GROUP + c // n_q)  # the query head's dO scale
+        dv = dv + part * gl.load(dos_ptr + b * H + h)  # the query head's dO scale
         part = warpgroup_mma(gl.convert_layout(ds8, a_layout), qet_bufs.index(stage).reshape([HEAD_DIM, BM])
                              .permute((1, 0)), part, use_acc=False, is_async=True)
         part = warpgroup_mma_wait(0, deps=(part,))
@@ -149,9 +148,9 @@ def _consumer(qs_ptr, delta_ptr, ref_ptr, dos_ptr, vs_ptr, qes_ptr, dk_ptr, dv_p
 
 
 @gluon.jit
-def _producer(k_desc, v_desc, q_desc, do_desc, dot_desc, qet_desc, smem, bars, b, kv_head, H, GROUP, k0, j_lo, n_q,
-              BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr):
-    k_smem, v_smem, q_bufs, do_bufs, dot_bufs, qet_bufs = smem
+def _producer(k_desc, v_desc, q_desc, do_desc, dot_desc, qet_desc, row_desc, smem, bars, b, kv_head, H, GROUP, k0,
+              j_lo, n_q, NQ_PAD, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr):
+    k_smem, v_smem, q_bufs, do_bufs, dot_bufs, qet_bufs, row_bufs = smem
     kv_bar, q_ready, q_empty, t_ready, t_empty, turn = bars
     mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
     for w in gl.static_range(2):
@@ -167,17 +166,21 @@ def _producer(k_desc, v_desc, q_desc, do_desc, dot_desc, qet_desc, smem, bars, b
         tma.async_copy_global_to_shared(q_desc, [b, h, start_m, 0], q_ready.index(s), q_bufs.index(s))
         tma.async_copy_global_to_shared(do_desc, [b, h, start_m, 0], q_ready.index(s), do_bufs.index(s))
         mbarrier.wait(t_empty.index(s), phase ^ 1)
-        mbarrier.expect(t_ready.index(s), dot_desc.block_type.nbytes + qet_desc.block_type.nbytes)
+        mbarrier.expect(t_ready.index(s), dot_desc.block_type.nbytes + qet_desc.block_type.nbytes
+                        + 3 * row_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(dot_desc, [b * H + h, 0, start_m], t_ready.index(s), dot_bufs.index(s))
         tma.async_copy_global_to_shared(qet_desc, [b * H + h, 0, start_m], t_ready.index(s), qet_bufs.index(s))
+        for i in gl.static_range(3):
+            tma.async_copy_global_to_shared(row_desc, [((b * H + h) * 3 + i) * NQ_PAD + start_m], t_ready.index(s),
+                                            row_bufs[i].index(s))
 
 
 # Nq stays a runtime value: specialized to the constant 1, Triton 3.6's lowering to LLVM
 # fails on this kernel (an out-of-range index assertion in ConvertTritonGPUToLLVM).
 @gluon.jit(do_not_specialize=["NQ"])
-def _dkdv_ws(k_desc, v_desc, q_desc, do_desc, dot_desc, qet_desc, qs_ptr, ks_ptr, vs_ptr, dos_ptr, qes_ptr,
-             delta_ptr, ref_ptr, dk_ptr, dv_ptr, stride_ob, stride_oh, stride_on, stride_od, stride_ksh, stride_qes,
-             H, HKV, NQ, NK,
+def _dkdv_ws(k_desc, v_desc, q_desc, do_desc, dot_desc, qet_desc, row_desc, ks_ptr, vs_ptr,
+             dos_ptr, qes_ptr, dk_ptr, dv_ptr, stride_ob, stride_oh, stride_on, stride_od, stride_ksh, stride_qes,
+             H, HKV, NQ, NK, NQ_PAD,
              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
              CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     BN: gl.constexpr = k_desc.block_type.shape[2]
@@ -198,23 +201,37 @@ def _dkdv_ws(k_desc, v_desc, q_desc, do_desc, dot_desc, qet_desc, qs_ptr, ks_ptr
     do_bufs = gl.allocate_shared_memory(do_desc.dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
     dot_bufs = gl.allocate_shared_memory(dot_desc.dtype, [STAGES] + dot_desc.block_type.shape, dot_desc.layout)
     qet_bufs = gl.allocate_shared_memory(qet_desc.dtype, [STAGES] + qet_desc.block_type.shape, qet_desc.layout)
+    row_bufs = (gl.allocate_shared_memory(gl.float32, [STAGES, BM], row_desc.layout),
+                gl.allocate_shared_memory(gl.float32, [STAGES, BM], row_desc.layout),
+                gl.allocate_shared_memory(gl.float32, [STAGES, BM], row_desc.layout))
     bars = _ping_pong_barriers(STAGES)  # (kv_bar, q_ready, q_empty, t_ready, t_empty, turn)
 
-    smem = (k_smem, v_smem, q_bufs, do_bufs, dot_bufs, qet_bufs)
+    smem = (k_smem, v_smem, q_bufs, do_bufs, dot_bufs, qet_bufs, row_bufs)
     out_strides = (stride_ob, stride_oh, stride_on, stride_od)  # dK's and dV's
     gl.warp_specialize([
-        (_consumer, (qs_ptr, delta_ptr, ref_ptr, dos_ptr, vs_ptr, qes_ptr, dk_ptr, dv_ptr, smem, bars, out_strides,
+        (_consumer, (dos_ptr, vs_ptr, qes_ptr, dk_ptr, dv_ptr, smem, bars, out_strides,
                      stride_qes, ks, b, kv_head, H, GROUP, k0, j_lo, n_q, NQ, NK, 0, HEAD_DIM, BM, BN, STAGES,
                      CAUSAL)),
-        (_consumer, (qs_ptr, delta_ptr, ref_ptr, dos_ptr, vs_ptr, qes_ptr, dk_ptr, dv_ptr, smem, bars, out_strides,
+        (_consumer, (dos_ptr, vs_ptr, qes_ptr, dk_ptr, dv_ptr, smem, bars, out_strides,
                      stride_qes, ks, b, kv_head, H, GROUP, k0, j_lo, n_q, NQ, NK, 1, HEAD_DIM, BM, BN, STAGES,
                      CAUSAL)),
-        (_producer, (k_desc, v_desc, q_desc, do_desc, dot_desc, qet_desc, smem, bars, b, kv_head, H, GROUP, k0, j_lo,
-                     n_q, BM, BN, STAGES)),
+        (_producer, (k_desc, v_desc, q_desc, do_desc, dot_desc, qet_desc, row_desc, smem,
+                     bars, b, kv_head, H, GROUP, k0, j_lo, n_q, NQ_PAD, BM, BN, STAGES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 _CONSTEXPRS = dict(STAGES=NUM_STAGES, **_REGS)
+
+
+def _row_vectors(q_scale, row_ref, delta):
+    """The per-query vectors of a transposed tile, q_scale·log2e (the reference's row), the
+    row reference and delta, stacked [B, H, 3, Nq'] and read flat by TMA in tiles of BM
+    queries: a descriptor and Nq'.  Nq' rounds Nq up to BM with zeros, so each tile starts
+    256-byte aligned and in bounds, and columns past Nq read zeros (finite, and masked)."""
+    rows = torch.stack((q_scale * F.LOG2E, row_ref, delta), dim=2)
+    if rows.shape[-1] % BM:
+        rows = torch.nn.functional.pad(rows, (0, -rows.shape[-1] % BM))
+    return TensorDescriptor(rows, [rows.numel()], [1], [BM], _layout([BM], gl.float32)), rows.shape[-1]
 
 
 def supports(do, do_t, do_scale, delta, q, qe_t, qe_scale, k, v, q_scale, k_scale, v_scale, row_ref, causal, dk, dv,
@@ -223,7 +240,6 @@ def supports(do, do_t, do_scale, delta, q, qe_t, qe_scale, k, v, q_scale, k_scal
     ``dkdv_backward``, then the call's bias and P mode."""
     b, h, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
-    rows = (h * nq, nq, 1)
     return (p_mode == "direct" and bias is None and d in (64, 128) and nq > 0 and nk > 0
             and h % hkv == 0 and b * hkv < 65536  # the grid's second dimension
             and q.dtype == k.dtype == torch.int8 and do.dtype == do_t.dtype == F.E5M2
@@ -231,9 +247,9 @@ def supports(do, do_t, do_scale, delta, q, qe_t, qe_scale, k, v, q_scale, k_scal
             and all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (k, v))
             and all(_tma_ready(t) for t in (q, do, do_t, qe_t))
             and all(t.stride(0) == h * t.stride(1) for t in (do_t, qe_t))  # [B*H, D, N] views
-            and all(t.stride() == rows for t in (delta, q_scale, row_ref))  # indexed (b H + h) Nq + row
             and all(t.is_contiguous() for t in (qe_scale, k_scale, v_scale, do_scale))
-            and dk.stride() == dv.stride() and all(st >= 0 for st in dk.stride()) and b * h * nq < 2**31
+            and dk.stride() == dv.stride() and all(st >= 0 for st in dk.stride())
+            and b * h * 3 * triton.cdiv(nq, BM) * BM < 2**31  # the row vectors' 32-bit TMA coordinates
             # dK/dV offsets within a batch are 32-bit (the batch's is 64)
             and sum((n - 1) * st for n, st in zip(dk.shape[1:], dk.stride()[1:])) < 2**31)
 
@@ -250,11 +266,12 @@ def dkdv_backward(do, do_t, do_scale, delta, q, qe_t, qe_scale, k, v, q_scale, k
     v_desc = TensorDescriptor.from_tensor(v, kv_block, _layout(kv_block, gl.float8e4nv))
     q_desc = TensorDescriptor.from_tensor(q, q_block, _layout(q_block, gl.int8))
     do_desc = TensorDescriptor.from_tensor(do, q_block, _layout(q_block, gl.float8e5))
+    row_desc, nq_pad = _row_vectors(q_scale, row_ref, delta)
     _dkdv_ws[(triton.cdiv(nk, BLOCK_N), b * hkv)](
         k_desc, v_desc, q_desc, do_desc, _token_major_desc(do_t, BM, gl.float8e5),
-        _token_major_desc(qe_t, BM, gl.float8e4nv),
-        q_scale, k_scale, v_scale, do_scale, qe_scale, delta, row_ref, dk, dv,
-        *dk.stride(), k_scale.stride(1), qe_scale.stride(1), h, hkv, nq, nk,
+        _token_major_desc(qe_t, BM, gl.float8e4nv), row_desc,
+        k_scale, v_scale, do_scale, qe_scale, dk, dv,
+        *dk.stride(), k_scale.stride(1), qe_scale.stride(1), h, hkv, nq, nk, nq_pad,
         HEAD_DIM=d, CAUSAL=bool(causal), **_CONSTEXPRS, **_LAUNCH)
 
 
@@ -266,6 +283,7 @@ def compile_for_sm90(d: int, causal: bool):
            "do_desc": _tensor_desc("fp8e5", [1, 1, BM, d], gl.float8e5),
            "dot_desc": _tensor_desc("fp8e5", [1, d, BM], gl.float8e5),
            "qet_desc": _tensor_desc("fp8e4nv", [1, d, BM], gl.float8e4nv), "dk_ptr": "*bf16", "dv_ptr": "*bf16"}
-    for name in ("qs_ptr", "ks_ptr", "vs_ptr", "dos_ptr", "qes_ptr", "delta_ptr", "ref_ptr"):
+    sig["row_desc"] = _tensor_desc("fp32", [BM], gl.float32)
+    for name in ("ks_ptr", "vs_ptr", "dos_ptr", "qes_ptr"):
         sig[name] = "*fp32"
     return _compile_sm90(_dkdv_ws, sig, dict(_CONSTEXPRS, HEAD_DIM=d, CAUSAL=causal))
