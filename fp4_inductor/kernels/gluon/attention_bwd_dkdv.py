@@ -24,8 +24,9 @@ the H200 (docs/perf-notes.md).
 
 The query tiles of the GQA group's heads run one after the other in one sequence, so dK
 and dV are summed over the group without atomics.  Pᵀ and dSᵀ reach the A operand by a
-layout conversion (shuffles).  Only tiles that cross the causal diagonal or the end of
-the keys or queries are masked (a runtime branch per step between two compiled bodies).
+layout conversion (shuffles).  At D = 128 only tiles that cross the causal diagonal or the
+end of the keys or queries are masked (a runtime branch per step between two compiled
+bodies); at D = 64 the one masked body is faster.
 
 Scope (``supports``): P mode direct, no bias, D = 64 or 128.  K, V and the row vectors
 contiguous, Q and dO with any strides TMA accepts, token-major dOᵀ and Qeᵀ as the Triton
@@ -117,14 +118,18 @@ def _consumer(dos_ptr, vs_ptr, qes_ptr, dk_ptr, dv_ptr, smem, bars, out_strides,
         mbarrier.arrive(q_empty.index(stage))
         h = kv_head * GROUP + c // n_q  # step c: query tile j_lo + c % n_q of the group's head c // n_q
         start_m = (j_lo + c % n_q) * BM
-        whole = (start_m + BM <= NQ) & (last_key < NK)
-        if CAUSAL:
-            whole = whole & (last_key <= start_m)
         mbarrier.wait(t_ready.index(stage), phase)  # also the row vectors, read by _tile
         vecs = (row_bufs[0].index(stage), row_bufs[1].index(stage), row_bufs[2].index(stage))
-        if whole:
-            p8, ds8, scale = _tile(h, start_m, s, dp, keys, vecs, dos_ptr, qes_ptr, b, H, NQ, NK, ks, v_scale,
-                                   stride_qes, BM, CAUSAL, False)
+        if HEAD_DIM == 128:  # a second, unmasked body: 2 % faster at D = 128, 8 % slower at 64 (perf-notes)
+            whole = (start_m + BM <= NQ) & (last_key < NK)
+            if CAUSAL:
+                whole = whole & (last_key <= start_m)
+            if whole:
+                p8, ds8, scale = _tile(h, start_m, s, dp, keys, vecs, dos_ptr, qes_ptr, b, H, NQ, NK, ks, v_scale,
+                                       stride_qes, BM, CAUSAL, False)
+            else:
+                p8, ds8, scale = _tile(h, start_m, s, dp, keys, vecs, dos_ptr, qes_ptr, b, H, NQ, NK, ks, v_scale,
+                                       stride_qes, BM, CAUSAL, True)
         else:
             p8, ds8, scale = _tile(h, start_m, s, dp, keys, vecs, dos_ptr, qes_ptr, b, H, NQ, NK, ks, v_scale,
                                    stride_qes, BM, CAUSAL, True)
