@@ -180,9 +180,7 @@ def _producer(k_desc, v_desc, q_desc, do_desc, dot_desc, qet_desc, row_desc, sme
                                             row_bufs[i].index(s))
 
 
-# Nq stays a runtime value: specialized to the constant 1, Triton 3.6's lowering to LLVM
-# fails on this kernel (an out-of-range index assertion in ConvertTritonGPUToLLVM).
-@gluon.jit(do_not_specialize=["NQ"])
+@gluon.jit
 def _dkdv_ws(k_desc, v_desc, q_desc, do_desc, dot_desc, qet_desc, row_desc, ks_ptr, vs_ptr,
              dos_ptr, qes_ptr, dk_ptr, dv_ptr, stride_ob, stride_oh, stride_on, stride_od, stride_ksh, stride_qes,
              H, HKV, NQ, NK, NQ_PAD,
