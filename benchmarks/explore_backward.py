@@ -1,6 +1,6 @@
 """Where the backward's time goes, and backward-kernel variants, in one run.
 
-    python benchmarks/explore_backward.py [--ns 4096] [--ds 128 64] [--ncu]
+    python benchmarks/explore_backward.py [--ns 4096] [--ds 128 64] [--ncu | --kernel-only]
 
 1. a profiler table of one eager causal forward + backward of ``lowp_attention`` on the
    FA3 grid (B * N = 16384, H * D = 2048): device time per kernel, so the backward's
@@ -9,6 +9,9 @@
 2. the preparation alone and the Triton backward kernels alone, per (num_warps,
    num_stages) configuration, then what ``kernels.backward_kernel`` runs (the Gluon
    kernels where they apply), as do_bench medians.
+``--kernel-only`` runs step 2's last timing alone (min of three medians) with each
+kernel's device time from a profiler: the quick A/B of one source tree against another
+(written to explore_backward_kernels.json).
 Writes explore_backward.json into --out-dir (default benchmarks/results).  ``--ncu`` only
 runs what ``backward_kernel`` runs, twice per shape (compile, then the launch to profile),
 for a hardware-counter profiler, e.g.
@@ -68,29 +71,52 @@ def bwd_operands(b, h, n, d):
     return prep, args
 
 
+def kernel_times(fn, calls=5):
+    """Device ms per call of each kernel ``fn`` launches, from the profiler."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    per_kernel = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            per_kernel[e.name[:60]] = per_kernel.get(e.name[:60], 0.0) + e.device_time / (1e3 * calls)
+    return per_kernel
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ns", type=int, nargs="+", default=[4096])
     ap.add_argument("--ds", type=int, nargs="+", default=[128, 64])
     ap.add_argument("--out-dir", default=os.path.join(C.ROOT, "benchmarks", "results"))
-    ap.add_argument("--ncu", action="store_true", help="only launch the backward kernels, twice per shape")
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--ncu", action="store_true", help="only launch the backward kernels, twice per shape")
+    mode.add_argument("--kernel-only", action="store_true", help="only time what backward_kernel runs")
     args = ap.parse_args()
     result = {"env": C.environment(), "profile": {}, "timings": []}
     for d in args.ds:
         for n in args.ns:
             b, h = C.fa3_shape(n, d)
+            prep, bargs = bwd_operands(b, h, n, d)
+            launch = lambda: kernels.backward_kernel(bargs[3], "direct")(*bargs)  # noqa: E731
             if args.ncu:
-                _, bargs = bwd_operands(b, h, n, d)
                 for _ in range(2):
-                    kernels.backward_kernel(bargs[3], "direct")(*bargs)
+                    launch()
                 torch.cuda.synchronize()
                 continue
             flops = 2.5 * C.attention_flops(b, h, n, n, d, True)
+            if args.kernel_only:
+                ms = min(do_bench(launch, return_mode="median") for _ in range(3))
+                per_kernel = kernel_times(launch)
+                result["timings"].append({"d": d, "n": n, "what": "backward_kernel", "ms": ms,
+                                          "tflops": flops / ms * 1e-9, "per_kernel_ms": per_kernel})
+                print(f"D={d} N={n}: backward_kernel {ms:.3f} ms; "
+                      + ", ".join(f"{name[:24]} {t:.3f}" for name, t in per_kernel.items()), flush=True)
+                continue
             result["profile"][f"d{d}_n{n}"] = table = profile_step(b, h, n, d)
             print(f"\nD={d} N={n} B={b} H={h}: device time per kernel (us), one forward + backward")
             for row in table[:14]:
                 print(f"  {row['us']:9.1f}  {row['kernel']}")
-            prep, bargs = bwd_operands(b, h, n, d)
             prep_ms = do_bench(prep, return_mode="median")
             result["timings"].append({"d": d, "n": n, "what": "prep", "ms": prep_ms})
             print(f"  prep alone: {prep_ms:.3f} ms")
@@ -104,13 +130,14 @@ def main():
                 result["timings"].append({"d": d, "n": n, "config": cfg, "ms": ms, "tflops": flops / ms * 1e-9})
                 print(f"  kernels {cfg}: {ms:.3f} ms, {flops / ms * 1e-9:.0f} TFLOP/s (2.5x forward FLOPs)",
                       flush=True)
-            ms = do_bench(lambda: kernels.backward_kernel(bargs[3], "direct")(*bargs), return_mode="median")
+            ms = do_bench(launch, return_mode="median")
             result["timings"].append({"d": d, "n": n, "what": "backward_kernel", "ms": ms, "tflops": flops / ms * 1e-9})
             print(f"  backward_kernel (Gluon where it applies): {ms:.3f} ms, {flops / ms * 1e-9:.0f} TFLOP/s", flush=True)
     if args.ncu:
         return
     os.makedirs(args.out_dir, exist_ok=True)
-    with open(os.path.join(args.out_dir, "explore_backward.json"), "w") as f:
+    name = "explore_backward_kernels.json" if args.kernel_only else "explore_backward.json"
+    with open(os.path.join(args.out_dir, name), "w") as f:
         json.dump(result, f, indent=1, default=str)
 
 

@@ -1,0 +1,85 @@
+"""Host time against device time of one causal training step at short lengths.
+
+    python benchmarks/explore_host.py [--ns 512 1024 4096] [--ds 128]
+
+Per shape of the FA3 grid (B * N = 16384, H * D = 2048), eager ``lowp_attention`` and the
+same under ``torch.compile`` (as bench_training.py's rows), one forward + backward a step:
+  - host ms a step: 20 steps queued back to back, without a sync (the launch queue does
+    not fill at these lengths), then the sync's wait counted apart;
+  - the kernels' device ms a step, and launches a step, from the profiler;
+  - the profiler's table of CPU self time (our custom ops' own Python is their self time).
+Where host time exceeds kernel time the step waits on Python, not on the GPU.  Writes
+explore_host.json into --out-dir (default benchmarks/results).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common as C  # noqa: E402
+
+from fp4_inductor.attention import lowp_attention  # noqa: E402
+
+STEPS = 20
+torch._dynamo.config.recompile_limit = 64
+
+
+def attend(q, k, v):
+    return lowp_attention(q, k, v, is_causal=True)
+
+
+def measure(step):
+    for _ in range(5):
+        step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(STEPS):
+        step()
+    host = (time.perf_counter() - t0) / STEPS
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) / STEPS
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(5):
+            step()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    cpu_self = sorted(((e.key, e.self_cpu_time_total / 5e3) for e in prof.key_averages()), key=lambda kv: -kv[1])
+    return {"host_ms": host * 1e3, "wall_ms": wall * 1e3, "kernels_ms": sum(e.device_time for e in kernels) / 5e3,
+            "launches": len(kernels) / 5, "cpu_self_ms": [(k[:80], round(t, 4)) for k, t in cpu_self[:15]]}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ns", type=int, nargs="+", default=[512, 1024, 4096])
+    ap.add_argument("--ds", type=int, nargs="+", default=[128])
+    ap.add_argument("--out-dir", default=os.path.join(C.ROOT, "benchmarks", "results"))
+    args = ap.parse_args()
+    result = {"env": C.environment(), "rows": []}
+    compiled = torch.compile(attend, fullgraph=True, dynamic=False)
+    for d in args.ds:
+        for n in args.ns:
+            b, h = C.fa3_shape(n, d)
+            q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                       for _ in range(3))
+            dout = torch.randn_like(q)
+            for mode, fn in (("eager", attend), ("compiled", compiled)):
+                row = {"d": d, "n": n, "mode": mode, **measure(lambda: fn(q, k, v).backward(dout))}
+                result["rows"].append(row)
+                print(f"D={d} N={n} {mode:8s}: host {row['host_ms']:.3f} ms a step, kernels {row['kernels_ms']:.3f} "
+                      f"ms, {row['launches']:.0f} launches; CPU self: "
+                      + ", ".join(f"{k[:28]} {t:.3f}" for k, t in row["cpu_self_ms"][:4]), flush=True)
+    os.makedirs(args.out_dir, exist_ok=True)
+    with open(os.path.join(args.out_dir, "explore_host.json"), "w") as f:
+        json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
