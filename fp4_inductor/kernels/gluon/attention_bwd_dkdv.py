@@ -28,9 +28,9 @@ layout conversion (shuffles).  At D = 128 only tiles that cross the causal diago
 end of the keys or queries are masked (a runtime branch per step between two compiled
 bodies); at D = 64 the one masked body is faster.
 
-Scope (``supports``): P mode direct, no bias, D = 64 or 128.  K, V and the row vectors
-contiguous, Q and dO with any strides TMA accepts, token-major dOᵀ and Qeᵀ as the Triton
-launcher makes them.
+Scope (``supports``): P mode direct, no bias, D = 64 or 128.  K and V contiguous, Q and
+dO with any strides TMA accepts, token-major dOᵀ and Qeᵀ as the Triton launcher makes
+them; the per-query vectors are stacked by the launcher (``_row_vectors``), any layout.
 """
 
 from __future__ import annotations
@@ -52,7 +52,6 @@ BN_WG = BLOCK_N // 2  # keys per consumer warpgroup = one dS tile's keys
 BM = F.DS_TILE_DK[0]  # queries per step = one dS tile's queries
 assert F.DS_TILE_DK[1] == BN_WG and F.SCALE_BLOCK % BM == 0
 NUM_STAGES = 2
-LOG2E = gl.constexpr(1.4426950408889634)
 
 
 @gluon.jit
