@@ -80,7 +80,7 @@ def kernel_times(fn, calls=5):
     per_kernel = {}
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
-            per_kernel[e.name[:60]] = per_kernel.get(e.name[:60], 0.0) + e.device_time / (1e3 * calls)
+            per_kernel[e.name] = per_kernel.get(e.name, 0.0) + e.device_time / (1e3 * calls)
     return per_kernel
 
 

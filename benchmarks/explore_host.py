@@ -4,8 +4,8 @@
 
 Per shape of the FA3 grid (B * N = 16384, H * D = 2048), eager ``lowp_attention`` and the
 same under ``torch.compile`` (as bench_training.py's rows), one forward + backward a step:
-  - host ms a step: 20 steps queued back to back, without a sync (the launch queue does
-    not fill at these lengths), then the sync's wait counted apart;
+  - host ms a step: 20 steps queued back to back without a sync, then the sync's wait
+    counted apart (where the kernels outrun the host, this is the host's time a step);
   - the kernels' device ms a step, and launches a step, from the profiler;
   - the profiler's table of CPU self time (our custom ops' own Python is their self time).
 Where host time exceeds kernel time the step waits on Python, not on the GPU.  Writes

@@ -122,7 +122,7 @@ def _consumer(dos_ptr, vs_ptr, qes_ptr, dk_ptr, dv_ptr, smem, bars, out_strides,
         whole = (start_m + BM <= NQ) & (last_key < NK)
         if CAUSAL:
             whole = whole & (last_key <= start_m)
-        # A second, unmasked body: 2 % faster at D = 128, 8 % slower at 64 (perf-notes).
+        # A second, unmasked body: 2 % faster at D = 128, 9 % slower at 64 (perf-notes).
         if (HEAD_DIM == 128) & whole:
             p8, ds8, scale = _tile(h, start_m, s, dp, keys, vecs, dos_ptr, qes_ptr, b, H, NQ, NK, ks, v_scale,
                                    stride_qes, BM, CAUSAL, False)
@@ -247,6 +247,7 @@ def supports(do, do_t, do_scale, delta, q, qe_t, qe_scale, k, v, q_scale, k_scal
             and all(_tma_ready(t) for t in (q, do, do_t, qe_t))
             and all(t.stride(0) == h * t.stride(1) for t in (do_t, qe_t))  # [B*H, D, N] views
             and all(t.is_contiguous() for t in (qe_scale, k_scale, v_scale, do_scale))
+            and all(t.shape == (b, h, nq) and t.dtype == torch.float32 for t in (q_scale, row_ref, delta))
             and dk.stride() == dv.stride() and all(st >= 0 for st in dk.stride())
             and b * h * 3 * triton.cdiv(nq, BM) * BM < 2**31  # the row vectors' 32-bit TMA coordinates
             # dK/dV offsets within a batch are 32-bit (the batch's is 64)

@@ -12,9 +12,10 @@ warpgroups of 64 rows taking turns on the tensor cores.  Per key tile j and warp
   dQ += (dS·Ke)·(ds_scale·ke_scale)  — issued once dS is ready, one product in flight.
 
 It computes the numbers of the Triton dQ kernel (the same tiles and formulas).  Issuing
-tile j-1's product under tile j's S and dP instead (the forward's P·V order) kept four
-[64, D] float32 tiles live and spilled at D = 128 (a 320-byte frame, ~2 KB of spill
-stores; on the H200 a third of its stalls waited on local memory); in this order neither
+tile j-1's product under tile j's S and dP instead (the forward's P·V order) kept dQ, that
+product's part (float32 [64, D] each), S (int32) and dP (float32 [64, 128] each) live and
+spilled: a 320-byte frame and ~2 KB of spill stores at D = 128, where on the H200 a third
+of its stalls waited on local memory, and a 32-byte frame at D = 64.  In this order neither
 head dim spills (docs/perf-notes.md).
 
 Scope (``supports``): P mode direct, no bias, D in {64, 128}, Nk a multiple of 16; Q, K,
