@@ -32,6 +32,8 @@ is decided in ``kernels.forward_kernel``; the rest run the Triton kernel.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -360,7 +362,14 @@ def supports(q, k, v_t, q_scale, bias, p_mode, lse, row_ref) -> bool:
 
 
 def _layout(block, dtype):
-    return gl.NVMMASharedLayout.get_default_for(block, dtype)
+    """The shared-memory layout of a TMA block: cached, as every launch asks for its
+    blocks' layouts and Gluon builds one in ~7 us of Python."""
+    return _default_layout(tuple(block), dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _default_layout(block: tuple, dtype):
+    return gl.NVMMASharedLayout.get_default_for(list(block), dtype)
 
 
 def _constexprs(d: int, causal: bool, p_mode: str) -> dict:
