@@ -40,37 +40,6 @@ CONFIGS = [{"dkdv": (8, 1), "dq": (8, 1)}, {"dkdv": (16, 1), "dq": (16, 1)}, {"d
            {"dkdv": (8, 2), "dq": (8, 2)}]
 
 
-def profile_step(b, h, n, d):
-    q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-    dout = torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16)
-    step = lambda: lowp_attention(q, k, v, is_causal=True).backward(dout)  # noqa: E731
-    step()
-    torch.cuda.synchronize()
-    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=acts) as prof:
-        step()
-        torch.cuda.synchronize()
-    kernels = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            kernels[e.name] = kernels.get(e.name, 0.0) + e.device_time
-    rows = sorted(kernels.items(), key=lambda kv: -kv[1])
-    return [{"kernel": name[:90], "us": round(us, 1)} for name, us in rows]
-
-
-def bwd_operands(b, h, n, d):
-    q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    out, lse, row_ref, operands = ops.quantized_forward(q, k, v, None, d ** -0.5, True, "fp8", "direct")
-    dout = torch.randn_like(q)
-    q8, k8, v_t, q_scale, k_scale, v_scale = operands
-    prep = lambda: backward_inputs(dout, out, lse, row_ref, q8, q_scale, k8, k_scale, "direct")  # noqa: E731
-    do8, do_scale, delta, qe, qe_scale, ke, ke_scale = prep()
-    grads = [torch.empty(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
-    args = (do8, do_scale, delta, q8, k8, v_t, q_scale, k_scale, v_scale, qe, qe_scale, ke, ke_scale, None,
-            row_ref, True, "direct", *grads)
-    return prep, args
-
-
 def kernel_times(fn, calls=5):
     """Device ms per call of each kernel ``fn`` launches, from the profiler."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -82,6 +51,31 @@ def kernel_times(fn, calls=5):
         if e.device_type == torch.autograd.DeviceType.CUDA:
             per_kernel[e.name] = per_kernel.get(e.name, 0.0) + e.device_time / (1e3 * calls)
     return per_kernel
+
+
+def profile_step(b, h, n, d):
+    q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    dout = torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16)
+    step = lambda: lowp_attention(q, k, v, is_causal=True).backward(dout)  # noqa: E731
+    step()
+    torch.cuda.synchronize()
+    rows = sorted(kernel_times(step, calls=1).items(), key=lambda kv: -kv[1])
+    return [{"kernel": name[:90], "us": round(ms * 1e3, 1)} for name, ms in rows]
+
+
+def bwd_operands(b, h, n, d, device="cuda"):
+    """The preparation (dO quantization and the rest, as a callable) and ``attention_backward``'s
+    positional arguments for a causal direct-P call on Gaussian inputs."""
+    q, k, v = (torch.randn(b, h, n, d, device=device, dtype=torch.bfloat16) for _ in range(3))
+    out, lse, row_ref, operands = ops.quantized_forward(q, k, v, None, d ** -0.5, True, "fp8", "direct")
+    dout = torch.randn_like(q)
+    q8, k8, v_t, q_scale, k_scale, v_scale = operands
+    prep = lambda: backward_inputs(dout, out, lse, row_ref, q8, q_scale, k8, k_scale, "direct")  # noqa: E731
+    do8, do_scale, delta, qe, qe_scale, ke, ke_scale = prep()
+    grads = [torch.empty(b, h, n, d, device=device, dtype=torch.bfloat16) for _ in range(3)]
+    args = (do8, do_scale, delta, q8, k8, v_t, q_scale, k_scale, v_scale, qe, qe_scale, ke, ke_scale, None,
+            row_ref, True, "direct", *grads)
+    return prep, args
 
 
 def main():

@@ -19,11 +19,10 @@ import pstats
 import sys
 import time
 
-import torch
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from explore_backward import bwd_operands  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from fp4_inductor import kernels, ops  # noqa: E402
-from fp4_inductor.attention import backward_inputs  # noqa: E402
+from fp4_inductor import kernels  # noqa: E402
 from fp4_inductor.kernels.gluon import attention_bwd_dkdv, attention_bwd_dq  # noqa: E402
 from fp4_inductor.kernels.triton import attention_bwd  # noqa: E402
 
@@ -46,13 +45,7 @@ def main():
     args = ap.parse_args()
     attention_bwd._transpose_kernel = attention_bwd_dq._dq_ws = attention_bwd_dkdv._dkdv_ws = NoLaunch()
 
-    b, h, n, d = 1, 2, 128, 128
-    q, k, v = (torch.randn(b, h, n, d) for _ in range(3))
-    out, lse, row_ref, (q8, k8, v_t, q_scale, k_scale, v_scale) = ops.quantized_forward(
-        q, k, v, None, d ** -0.5, True, "fp8", "direct")
-    do8, do_scale, delta, qe, qe_scale, ke, ke_scale = backward_inputs(
-        torch.randn_like(q), out, lse, row_ref, q8, q_scale, k8, k_scale, "direct")
-    grads = [torch.empty(b, h, n, d, dtype=torch.bfloat16) for _ in range(3)]
+    _, operands = bwd_operands(1, 2, 128, 128, device="cpu")
     taken = []
 
     def hook(name):
@@ -62,9 +55,7 @@ def main():
         return run
 
     def call():
-        attention_bwd.attention_backward(do8, do_scale, delta, q8, k8, v_t, q_scale, k_scale, v_scale, qe, qe_scale,
-                                         ke, ke_scale, None, row_ref, True, "direct", *grads,
-                                         dq_kernel=hook("_gluon_dq"), dkdv_kernel=hook("_gluon_dkdv"))
+        attention_bwd.attention_backward(*operands, dq_kernel=hook("_gluon_dq"), dkdv_kernel=hook("_gluon_dkdv"))
 
     call()
     assert taken == [True, True], "the Gluon hooks did not take the call"
