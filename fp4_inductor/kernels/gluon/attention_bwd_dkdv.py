@@ -282,8 +282,8 @@ def compile_for_sm90(d: int, causal: bool):
            "q_desc": _tensor_desc("i8", [1, 1, BM, d], gl.int8),
            "do_desc": _tensor_desc("fp8e5", [1, 1, BM, d], gl.float8e5),
            "dot_desc": _tensor_desc("fp8e5", [1, d, BM], gl.float8e5),
-           "qet_desc": _tensor_desc("fp8e4nv", [1, d, BM], gl.float8e4nv), "dk_ptr": "*bf16", "dv_ptr": "*bf16"}
-    sig["row_desc"] = _tensor_desc("fp32", [BM], gl.float32)
+           "qet_desc": _tensor_desc("fp8e4nv", [1, d, BM], gl.float8e4nv),
+           "row_desc": _tensor_desc("fp32", [BM], gl.float32), "dk_ptr": "*bf16", "dv_ptr": "*bf16"}
     for name in ("ks_ptr", "vs_ptr", "dos_ptr", "qes_ptr"):
         sig[name] = "*fp32"
     return _compile_sm90(_dkdv_ws, sig, dict(_CONSTEXPRS, HEAD_DIM=d, CAUSAL=causal))
