@@ -2,8 +2,10 @@
 
     python benchmarks/explore_host.py [--ns 512 1024 4096] [--ds 128]
 
-Per shape of the FA3 grid (B * N = 16384, H * D = 2048), eager ``lowp_attention`` and the
-same under ``torch.compile`` (as bench_training.py's rows), one forward + backward a step:
+Per shape of the FA3 grid (B * N = 16384, H * D = 2048), eager ``lowp_attention``, the
+same under ``torch.compile`` (as bench_training.py's rows) and under
+``torch.compile(mode="reduce-overhead")`` (CUDA graphs: the launches replayed, no Python a
+kernel), one forward + backward a step:
   - host ms a step: 20 steps queued back to back without a sync, then the sync's wait
     counted apart (where the kernels outrun the host, this is the host's time a step);
   - the kernels' device ms a step, and launches a step, from the profiler;
@@ -64,14 +66,20 @@ def main():
     args = ap.parse_args()
     result = {"env": C.environment(), "rows": []}
     compiled = torch.compile(attend, fullgraph=True, dynamic=False)
+    graphed = torch.compile(attend, fullgraph=True, dynamic=False, mode="reduce-overhead")
     for d in args.ds:
         for n in args.ns:
             b, h = C.fa3_shape(n, d)
             q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                        for _ in range(3))
             dout = torch.randn_like(q)
-            for mode, fn in (("eager", attend), ("compiled", compiled)):
-                row = {"d": d, "n": n, "mode": mode, **measure(lambda: fn(q, k, v).backward(dout))}
+            for mode, fn in (("eager", attend), ("compiled", compiled), ("cudagraphs", graphed)):
+                def step(fn=fn, graphs=mode == "cudagraphs"):
+                    if graphs:  # a new training step: the last step's graph outputs may be reused
+                        torch.compiler.cudagraph_mark_step_begin()
+                    fn(q, k, v).backward(dout)
+
+                row = {"d": d, "n": n, "mode": mode, **measure(step)}
                 result["rows"].append(row)
                 print(f"D={d} N={n} {mode:8s}: host {row['host_ms']:.3f} ms a step, kernels {row['kernels_ms']:.3f} "
                       f"ms, {row['launches']:.0f} launches; CPU self: "
