@@ -55,12 +55,10 @@ NUM_STAGES = 2
 
 
 @gluon.jit
-def _tile(h, start_m, s, dp, keys, vecs, dos_ptr, qes_ptr, b, H, NQ, NK, ks, v_scale, stride_qes,
-          BM: gl.constexpr, CAUSAL: gl.constexpr, MASKED: gl.constexpr):
-    """Pᵀ and dSᵀ operands of the query tile at ``start_m`` of head ``h`` from its scores,
-    dP and its row vectors in shared memory (``vecs``: q_scale·log2e, row reference,
-    delta), and the scale of its dK product.  MASKED: keys past NK, queries past NQ and
-    (causal) keys after the query masked; else the tile is known whole."""
+def _p_tile(start_m, s, keys, vecs, NQ, NK, ks, BM: gl.constexpr, CAUSAL: gl.constexpr, MASKED: gl.constexpr):
+    """Pᵀ codes of the query tile at ``start_m`` from its scores and its row vectors in
+    shared memory (``vecs``: q_scale·log2e, row reference, delta).  MASKED: keys past NK,
+    queries past NQ and (causal) keys after the query masked; else the tile is known whole."""
     col_layout: gl.constexpr = gl.SliceLayout(0, s.type.layout)
     t = vecs[0].load(col_layout) * ks  # rounded as the reference's row * col
     x = _mul_rn(s.to(gl.float32), t[None, :])
@@ -70,12 +68,18 @@ def _tile(h, start_m, s, dp, keys, vecs, dos_ptr, qes_ptr, b, H, NQ, NK, ks, v_s
         if CAUSAL:
             live = live & (keys[:, None] <= cols[None, :])
         x = gl.where(live, x, float("-inf"))
-    p8 = _probability(x, vecs[1].load(col_layout)[None, :], False)
+    return _probability(x, vecs[1].load(col_layout)[None, :], False)
+
+
+@gluon.jit
+def _ds_tile(h, start_m, p8, dp, vecs, dos_ptr, qes_ptr, b, H, v_scale, stride_qes):
+    """dSᵀ operand of the query tile at ``start_m`` of head ``h`` from its Pᵀ codes and
+    dPᵀ, and the scale of its dK product."""
     dov_scale = gl.load(dos_ptr + b * H + h) * v_scale
-    delta = vecs[2].load(col_layout)
+    delta = vecs[2].load(gl.SliceLayout(0, dp.type.layout))
     ds8, ds_scale = _ds_operand(p8.to(gl.float32), dp, delta[None, :], dov_scale)
     qe_scale = gl.load(qes_ptr + (b * H + h) * stride_qes + start_m // 128)  # formats.SCALE_BLOCK
-    return p8, ds8, ds_scale * qe_scale
+    return ds8, ds_scale * qe_scale
 
 
 @gluon.jit
@@ -124,13 +128,15 @@ def _consumer(dos_ptr, vs_ptr, qes_ptr, dk_ptr, dv_ptr, smem, bars, out_strides,
             whole = whole & (last_key <= start_m)
         # A second, unmasked body: 2 % faster at D = 128, 9 % slower at 64 (perf-notes).
         if (HEAD_DIM == 128) & whole:
-            p8, ds8, scale = _tile(h, start_m, s, dp, keys, vecs, dos_ptr, qes_ptr, b, H, NQ, NK, ks, v_scale,
-                                   stride_qes, BM, CAUSAL, False)
+            p8 = _p_tile(start_m, s, keys, vecs, NQ, NK, ks, BM, CAUSAL, False)
         else:
-            p8, ds8, scale = _tile(h, start_m, s, dp, keys, vecs, dos_ptr, qes_ptr, b, H, NQ, NK, ks, v_scale,
-                                   stride_qes, BM, CAUSAL, True)
+            p8 = _p_tile(start_m, s, keys, vecs, NQ, NK, ks, BM, CAUSAL, True)
+        if HEAD_DIM == 128:  # dV's part live next to dSᵀ's temporaries would spill
+            ds8, scale = _ds_tile(h, start_m, p8, dp, vecs, dos_ptr, qes_ptr, b, H, v_scale, stride_qes)
         part = warpgroup_mma(gl.convert_layout(p8, a_layout), dot_bufs.index(stage).reshape([HEAD_DIM, BM])
                              .permute((1, 0)), part, use_acc=False, is_async=True)
+        if HEAD_DIM == 64:  # dV's product runs while this warpgroup computes dSᵀ
+            ds8, scale = _ds_tile(h, start_m, p8, dp, vecs, dos_ptr, qes_ptr, b, H, v_scale, stride_qes)
         part = warpgroup_mma_wait(0, deps=(part,))
         dv = dv + part * gl.load(dos_ptr + b * H + h)  # the query head's dO scale
         part = warpgroup_mma(gl.convert_layout(ds8, a_layout), qet_bufs.index(stage).reshape([HEAD_DIM, BM])
