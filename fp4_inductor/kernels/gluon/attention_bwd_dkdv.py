@@ -122,7 +122,7 @@ def _consumer(dos_ptr, vs_ptr, qes_ptr, dk_ptr, dv_ptr, smem, bars, out_strides,
         mbarrier.arrive(q_empty.index(stage))
         h = kv_head * GROUP + c // n_q  # step c: query tile j_lo + c % n_q of the group's head c // n_q
         start_m = (j_lo + c % n_q) * BM
-        mbarrier.wait(t_ready.index(stage), phase)  # also the row vectors, read by _tile
+        mbarrier.wait(t_ready.index(stage), phase)  # also the row vectors, read by _p_tile and _ds_tile
         vecs = (row_bufs[0].index(stage), row_bufs[1].index(stage), row_bufs[2].index(stage))
         whole = (start_m + BM <= NQ) & (last_key < NK)
         if CAUSAL:
