@@ -320,7 +320,7 @@ def main():
     ap.add_argument("--training", action="store_true", help="causal forward+backward and backward alone")
     ap.add_argument("--out", default=None, help="path stem (default benchmarks/results/forward_h200 or training_h200)")
     args = ap.parse_args()
-    out = args.out or os.path.join(C.ROOT, "benchmarks", "results", "training_h200" if args.training else "forward_h200")
+    out = args.out or os.path.join(C.RESULTS, "training_h200" if args.training else "forward_h200")
     if args.training:
         import bench_training
 

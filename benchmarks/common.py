@@ -12,6 +12,7 @@ import sys
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "benchmarks", "results")  # where every script writes by default
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 

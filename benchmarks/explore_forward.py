@@ -189,7 +189,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--skip", nargs="*", default=[], help="accuracy e2e timing")
-    ap.add_argument("--out-dir", default=os.path.join(C.ROOT, "benchmarks", "results"))
+    ap.add_argument("--out-dir", default=C.RESULTS)
     args = ap.parse_args()
     results = {"env": C.environment()}
     print(results["env"], flush=True)

@@ -62,7 +62,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ns", type=int, nargs="+", default=[512, 1024, 4096])
     ap.add_argument("--ds", type=int, nargs="+", default=[128])
-    ap.add_argument("--out-dir", default=os.path.join(C.ROOT, "benchmarks", "results"))
+    ap.add_argument("--out-dir", default=C.RESULTS)
     args = ap.parse_args()
     result = {"env": C.environment(), "rows": []}
     compiled = torch.compile(attend, fullgraph=True, dynamic=False)
