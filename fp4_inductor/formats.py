@@ -291,10 +291,21 @@ def fp4_probability(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     return p.flatten(-2)
 
 
+# Floor of dS's tile scale: float32's smallest normal, so 1 / scale is finite (2**126) and
+# the kernels' ds * (1 / scale) needs no NaN guard for tiles of exact zeros (0 * inf).
+DS_SCALE_MIN = 2.0**-126
+
+
+def ds_scale(amax: torch.Tensor) -> torch.Tensor:
+    """The scale of a dS tile of this amax: amax / 448, floored at DS_SCALE_MIN (an
+    all-zero tile too); a NaN amax stays in the scale."""
+    scale = amax / E4M3_MAX
+    return torch.where(scale < DS_SCALE_MIN, DS_SCALE_MIN, scale)
+
+
 def quantize_ds(ds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """dS of one (query tile, key tile) as E4M3 with the tile's amax scale."""
-    amax = ds.abs().amax(dim=(-2, -1), keepdim=True)
-    scale = _amax_scale(amax, E4M3_MAX)
+    """dS of one (query tile, key tile) as E4M3 with its tile's ``ds_scale``."""
+    scale = ds_scale(ds.abs().amax(dim=(-2, -1), keepdim=True))
     return _cast(ds / scale, E4M3, E4M3_MAX).float(), scale
 
 

@@ -140,6 +140,22 @@ def test_saturation_and_nan_propagation_in_casts():
     assert torch.isfinite(codes.float()).all() and codes.float().amax().item() == F.E5M2_MAX
 
 
+def test_ds_scale_is_floored_so_its_inverse_stays_finite():
+    ds = torch.randn(3, 64, 64)
+    ds[0] = 0.0  # a fully masked tile
+    ds[1] *= 1e-40  # subnormal values: amax / 448 is below float32's smallest normal
+    ds[1, 0, :7] = 0.0
+    codes, scale = F.quantize_ds(ds)
+    assert scale[0].item() == scale[1].item() == F.DS_SCALE_MIN
+    assert torch.isfinite(1.0 / scale).all() and torch.isfinite(codes).all()
+    assert torch.equal(codes[0], torch.zeros(64, 64)) and torch.equal(codes[1, 0, :7], torch.zeros(7))
+    # The floored tile is still rounded to E4M3 (in subnormal float32 units of 2**-126).
+    assert ((codes[1] * scale[1] - ds[1]).abs() <= 2**-4 * ds[1].abs() + 2**-135).all()
+    assert scale[2].item() == pytest.approx(ds[2].abs().max().item() / F.E4M3_MAX, rel=1e-6)
+    ds[2, 5, 5] = float("nan")
+    assert torch.isnan(F.quantize_ds(ds)[1][2]).all()  # a NaN tile's scale carries the NaN
+
+
 @pytest.mark.parametrize("p_mode", ["direct", "exp"])
 def test_backward_row_factor_folds_normalisation(p_mode):
     """Probabilities written against the integer row reference (2**(x - R + lift), as the

@@ -223,3 +223,25 @@ def test_training_step_under_cuda_graphs(d):
             for name, g, want in zip("dq dk dv".split(), *grads):
                 assert torch.isfinite(g).all() and g.abs().amax() > 0, name
                 assert torch.equal(g, want), name
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_nan_in_grad_output_reaches_the_gradients_like_reference(d):
+    """A NaN in dO reaches, through its head's dO scale, exactly the gradients it reaches
+    on the reference path (the CPU emulation): the head's dQ and its K/V head's dK and dV;
+    the other heads stay finite."""
+    from fp4_inductor.attention import lowp_attention
+
+    b, h, hkv, n = 1, 4, 2, 272
+    q, k, v = (torch.randn(b, hh, n, d) for hh in (h, hkv, hkv))
+    go = torch.randn(b, h, n, d)
+    go[0, 1, 100, 3] = float("nan")
+
+    def grads(device):
+        leaves = [t.to(device, torch.bfloat16).requires_grad_() for t in (q, k, v)]
+        out = lowp_attention(*leaves, is_causal=True)
+        return [g.float().cpu() for g in torch.autograd.grad(out, leaves, go.to(device, torch.bfloat16))]
+
+    for name, got, want in zip("dq dk dv".split(), grads("cuda"), grads("cpu")):
+        assert want.isnan().any() and not want.isnan().all(), name
+        assert torch.equal(got.isnan(), want.isnan()), name

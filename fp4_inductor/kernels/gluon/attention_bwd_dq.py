@@ -40,20 +40,21 @@ BLOCK_N = F.KEY_TILE
 BM_WG = F.DS_TILE_DQ[0]  # query rows per consumer warpgroup = one dS tile's rows
 assert F.DS_TILE_DQ == (64, BLOCK_N)
 NUM_STAGES = 2
+DS_SCALE_MIN = gl.constexpr(F.DS_SCALE_MIN)
 
 
 @gluon.jit
 def _ds_operand(p, dp, delta, dov_scale):
     """dS = P ∘ (dP·scale − delta) as E4M3 codes with its tile's amax scale
-    (formats._amax_scale), rounded by the cvt instruction as the forward's exp mode, whose
-    saturation is the reference's clamp at +448; the max at −448 also drops a NaN (0·inf
-    where a tile's amax is below ~1e-36), as the Triton kernel's clamp does;
-    ``delta`` broadcast to the tile ([rows, 1], or [1, cols] for a transposed tile)."""
+    (formats.ds_scale: floored, so its inverse is finite and a tile's exact zeros stay
+    zeros), rounded and saturated by the cvt instruction as the forward's exp mode; a NaN
+    element stays NaN (the amax skips it), as in the Triton kernel; ``delta`` broadcast
+    to the tile ([rows, 1], or [1, cols] for a transposed tile)."""
     ds = p * (dp * dov_scale - delta)
     amax = gl.max(gl.max(gl.abs(ds), 1), 0)
-    ds_scale = gl.where(amax == 0.0, 1.0, gl.div_rn(amax, 448.0))
-    inv = gl.div_rn(1.0, ds_scale)
-    ds8 = _e4m3(gl.maximum(ds * inv, -448.0)).to(gl.float8e4nv, bitcast=True)
+    ds_scale = gl.div_rn(amax, 448.0)
+    ds_scale = gl.where(ds_scale < DS_SCALE_MIN, DS_SCALE_MIN, ds_scale)
+    ds8 = _e4m3(ds * gl.div_rn(1.0, ds_scale)).to(gl.float8e4nv, bitcast=True)
     return ds8, ds_scale
 
 

@@ -63,6 +63,7 @@ _P_MODE_ID = {"direct": 0, "exp": 1, "fp4": 2}
 # (dividing the Qe scale block).  The dK/dV kernel scales dS per key sub-tile of its
 # 128-key tile where the dK tile is narrower (KEY_SPLIT): a per-row factor of dK.
 BLOCK_N = F.KEY_TILE
+DS_SCALE_MIN = tl.constexpr(F.DS_SCALE_MIN)
 BLOCK_M_DQ = F.DS_TILE_DQ[0]
 assert F.DS_TILE_DQ[1] == BLOCK_N == F.KEY_TILE == F.SCALE_BLOCK == 128
 assert F.SCALE_BLOCK % F.DS_TILE_DK[0] == 0 and BLOCK_N % F.DS_TILE_DK[1] == 0
@@ -157,11 +158,13 @@ def _tile(k, v, q, do, row_t, r, delta, k_scale, dov_scale, b_ptrs, offs_m, offs
     else:
         part = tl.max(tl.max(tl.reshape(tl.abs(ds), (KEY_SPLIT, BLOCK_N // KEY_SPLIT, BLOCK_M)), 2), 1)
         amax = tl.reshape(tl.broadcast_to(part[:, None], (KEY_SPLIT, BLOCK_N // KEY_SPLIT)), (BLOCK_N,))
-    ds_scale = tl.where(amax == 0.0, 1.0, tl.math.div_rn(amax, 448.0))  # formats._amax_scale
+    ds_scale = tl.math.div_rn(amax, 448.0)
+    ds_scale = tl.where(ds_scale < DS_SCALE_MIN, DS_SCALE_MIN, ds_scale)  # formats.quantize_ds
     inv = tl.math.div_rn(1.0, ds_scale)
     if KEY_SPLIT > 1:
         inv = inv[:, None]
-    ds8 = _to_operand(tl.minimum(tl.maximum(ds * inv, -448.0), 448.0), EMULATE)
+    # A NaN element stays NaN, as the Gluon kernels' saturating cvt keeps it.
+    ds8 = _to_operand(tl.clamp(ds * inv, -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL), EMULATE)
     return p, ds8, ds_scale, dp
 
 
