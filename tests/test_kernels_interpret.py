@@ -88,3 +88,18 @@ def test_token_major_copies_are_exact(fresh_seed):
     """The launcher's tiled byte transposes (``_token_major``, V back to row-major) under
     Triton's interpreter: bit-exact for every operand layout the op passes, odd lengths."""
     _interpreted(TRANSPOSE_SCRIPT.format(seed=fresh_seed))
+
+
+def test_gluon_direct_p_bias_is_plain_arithmetic_on_torch_tensors(fresh_seed):
+    """The Gluon dK/dV launcher evaluates the kernels' Direct-P bias on torch tensors
+    (``_direct_p_bias.fn``), once per query: it must stay plain arithmetic and give
+    (120 - 8 m) / 256 rounded once, as the kernels compute it per row."""
+    pytest.importorskip("triton.experimental.gluon")
+    import torch
+
+    from fp4_inductor import formats as F
+    from fp4_inductor.kernels.gluon.attention_fwd import _direct_p_bias
+
+    m = torch.cat([torch.randn(4096) * 30, torch.randint(-300, 300, (4096,)).float(), torch.tensor([0.0, -0.0, 15.0])])
+    want = ((F.FP8_P_CODE_AT_MAX - 8.0 * m.double()) / 256).float()
+    assert torch.equal(_direct_p_bias.fn(m), want)

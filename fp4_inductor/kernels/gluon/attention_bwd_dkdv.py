@@ -5,9 +5,10 @@ one program per 128 keys of one K/V head (one K scale block), a producer warp st
 the query side through a two-stage ring, two consumer warpgroups of 64 keys each taking
 turns on the tensor cores.  The ring holds, per query tile of 64 queries, the Q and dO rows
 (B operands of the scores and of dP), their token-major Qeᵀ and dOᵀ tiles (B operands
-of the gradient products) and the tile's per-query vectors (q_scale·log2e, row reference,
-delta), which a transposed tile needs per column: loaded by TMA ahead of use, not by each
-consumer thread after its scores.  Per tile and warpgroup, on transposed tiles [keys, queries]:
+of the gradient products) and the tile's per-query vectors (q_scale·log2e, Direct-P bias of
+the row reference, delta), which a transposed tile needs per column: loaded by TMA ahead
+of use, not by each consumer thread after its scores.  Per tile and warpgroup, on
+transposed tiles [keys, queries]:
 
   Sᵀ = K·Qᵀ (INT8, exact),  dPᵀ = V·dOᵀ (E4M3 × E5M2),
   Pᵀ = Direct-P codes against the forward's row references (one per query, a column),
@@ -45,8 +46,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ... import formats as F
 from .attention_bwd_dq import _ds_operand, _issue_s_dp, _tma_ready, _token_major_desc
-from .attention_fwd import (_LAUNCH, _REGS, _compile_sm90, _layout, _mul_rn, _ping_pong_barriers, _probability,
-                            _tensor_desc, _wgmma_layout)
+from .attention_fwd import (_LAUNCH, _REGS, _compile_sm90, _direct_p, _direct_p_bias, _layout, _mul_rn,
+                            _ping_pong_barriers, _tensor_desc, _wgmma_layout)
 
 BLOCK_N = F.KEY_TILE  # keys per program: one K scale block
 BN_WG = BLOCK_N // 2  # keys per consumer warpgroup = one dS tile's keys
@@ -58,7 +59,7 @@ NUM_STAGES = 2
 @gluon.jit
 def _p_tile(start_m, s, keys, vecs, NQ, NK, ks, BM: gl.constexpr, CAUSAL: gl.constexpr, MASKED: gl.constexpr):
     """Pᵀ codes of the query tile at ``start_m`` from its scores and its row vectors in
-    shared memory (``vecs``: q_scale·log2e, row reference, delta).  MASKED: keys past NK,
+    shared memory (``vecs``: q_scale·log2e, Direct-P bias, delta).  MASKED: keys past NK,
     queries past NQ and (causal) keys after the query masked; else the tile is known whole."""
     col_layout: gl.constexpr = gl.SliceLayout(0, s.type.layout)
     t = vecs[0].load(col_layout) * ks  # rounded as the reference's row * col
@@ -69,7 +70,7 @@ def _p_tile(start_m, s, keys, vecs, NQ, NK, ks, BM: gl.constexpr, CAUSAL: gl.con
         if CAUSAL:
             live = live & (keys[:, None] <= cols[None, :])
         x = gl.where(live, x, float("-inf"))
-    return _probability(x, vecs[1].load(col_layout)[None, :], False)
+    return _direct_p(x, vecs[1].load(col_layout)[None, :])
 
 
 @gluon.jit
@@ -231,10 +232,12 @@ _CONSTEXPRS = dict(STAGES=NUM_STAGES, **_REGS)
 
 def _row_vectors(q_scale, row_ref, delta):
     """The per-query vectors of a transposed tile, q_scale·log2e (the reference's row), the
-    row reference and delta, stacked [B, H, 3, Nq'] and read flat by TMA in tiles of BM
-    queries: a descriptor and Nq'.  Nq' rounds Nq up to BM with zeros, so each tile starts
-    256-byte aligned and in bounds, and columns past Nq read zeros (finite, and masked)."""
-    rows = torch.stack((q_scale * F.LOG2E, row_ref, delta), dim=2)
+    row reference's Direct-P bias and delta, stacked [B, H, 3, Nq'] and read flat by TMA in
+    tiles of BM queries: a descriptor and Nq'.  Nq' rounds Nq up to BM with zeros, so each
+    tile starts 256-byte aligned and in bounds, and columns past Nq read zeros (finite, and
+    masked).  The bias is computed here once per query, not per thread and step: a thread
+    holds 16 columns of a [64, 64] tile, so in the kernel it cost 32 instructions a step."""
+    rows = torch.stack((q_scale * F.LOG2E, _direct_p_bias.fn(row_ref), delta), dim=2)
     if rows.shape[-1] % BM:
         rows = torch.nn.functional.pad(rows, (0, -rows.shape[-1] % BM))
     return TensorDescriptor(rows, [rows.numel()], [1], [BM], _layout([BM], gl.float32)), rows.shape[-1]

@@ -97,14 +97,27 @@ def _e4m3(v):
 def _probability(x, m, EXP: gl.constexpr):
     """The E4M3 P operand of one tile, as the Triton kernel's _probability, against the
     row references ``m`` broadcast to x's shape ([rows, 1], or [1, cols] for a
-    transposed tile).  Direct-P: z = sat(x / 32 + (120 - 8 m) / 256), and z + 2**15 leaves
-    rne(256 z) in the low byte; exp: exp2(x - m + 8) converted by the cvt instruction."""
+    transposed tile).  Direct-P: ``_direct_p`` with the bias of m; exp: exp2(x - m + 8)
+    converted by the cvt instruction."""
     if EXP:
-        codes = _e4m3(gl.exp2(x - m + 8.0))
-    else:
-        z = _fma_sat(x, 0.03125, (120.0 - 8.0 * m) * 0.00390625)
-        codes = (z + 32768.0).to(gl.int32, bitcast=True).to(gl.uint8)
-    return codes.to(gl.float8e4nv, bitcast=True)
+        return _e4m3(gl.exp2(x - m + 8.0)).to(gl.float8e4nv, bitcast=True)
+    return _direct_p(x, _direct_p_bias(m))
+
+
+@gluon.jit
+def _direct_p_bias(m):
+    """Direct-P's bias of a row reference m, (120 - 8 m) / 256 (exact but for one
+    rounding).  A launcher can evaluate it on torch tensors (``_direct_p_bias.fn``): the
+    same operations, the same float32 result."""
+    return (120.0 - 8.0 * m) * 0.00390625
+
+
+@gluon.jit
+def _direct_p(x, bias):
+    """Direct-P's E4M3 codes from log2 scores x and a row's ``_direct_p_bias``:
+    z = sat(x / 32 + bias), and z + 2**15 leaves rne(256 z) in the low byte."""
+    z = _fma_sat(x, 0.03125, bias)
+    return (z + 32768.0).to(gl.int32, bitcast=True).to(gl.uint8).to(gl.float8e4nv, bitcast=True)
 
 
 @gluon.jit
