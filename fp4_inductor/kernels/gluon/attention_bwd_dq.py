@@ -70,11 +70,14 @@ def _issue_s_dp(s_a, s_b, dp_a, dp_b, M: gl.constexpr, N: gl.constexpr, layout: 
 
 
 @gluon.jit
-def _step(j, dq, q, do, rows, row_t, r, delta, dov_scale, ks_ptr, kes_ptr, NK, smem, bars,
+def _step(j, dq, q, do, rows, row_t, r, delta, dov_scale, ks_ptr, kes_ptr, NK, masked, smem, bars,
           WG: gl.constexpr, HEAD_DIM: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
-          CAUSAL: gl.constexpr, MASKED: gl.constexpr):
+          CAUSAL: gl.constexpr):
     """Key tile j: S_j and dP_j on the tensor cores, dS_j, then its product dS_j·Ke_j,
-    which joins dQ with the tile's scales (two-level accumulation)."""
+    which joins dQ with the tile's scales (two-level accumulation).  ``masked``: the
+    tile may hold keys past NK or (causal) after a row, else it is known whole; a runtime
+    branch between two compiled copies of the scores, joined before P, so the rest of the
+    step is compiled once."""
     q_smem, do_smem, k_bufs, v_bufs, ke_bufs = smem
     in_bar, kv_ready, kv_empty, ke_ready, ke_empty, turn = bars
     s_layout: gl.constexpr = _wgmma_layout(BN, gl.num_warps())
@@ -88,7 +91,11 @@ def _step(j, dq, q, do, rows, row_t, r, delta, dov_scale, ks_ptr, kes_ptr, NK, s
     mbarrier.arrive(turn.index(1 - WG))
     s, dp = warpgroup_mma_wait(0, deps=(s, dp))
     mbarrier.arrive(kv_empty.index(stage))
-    p = _probability(_scores(s, row_t, ks_ptr, j, rows, NK, BN, CAUSAL, MASKED), r[:, None], False).to(gl.float32)
+    if masked:
+        x = _scores(s, row_t, ks_ptr, j, rows, NK, BN, CAUSAL, True)
+    else:
+        x = _scores(s, row_t, ks_ptr, j, rows, NK, BN, CAUSAL, False)
+    p = _probability(x, r[:, None], False).to(gl.float32)
     ds8, ds_scale = _ds_operand(p, dp, delta[:, None], dov_scale)
     mbarrier.wait(ke_ready.index(stage), phase)
     part = warpgroup_mma(_p_operand(ds8, a_layout, BM, BN), ke_bufs.index(stage).reshape([HEAD_DIM, BN])
@@ -123,14 +130,10 @@ def _consumer(qs_ptr, ks_ptr, kes_ptr, delta_ptr, ref_ptr, dq_ptr, smem, bars, d
     # thread at D = 128), where issuing tile j-1's product under S_j and dP_j kept dQ, its
     # part, S and dP live and spilled; the other warpgroup's turn keeps the tensor cores
     # busy while this one waits on its product.
-    dq = _step(0, gl.zeros([BM, HEAD_DIM], gl.float32, o_layout), q, do, rows, row_t, r, delta, dov_scale, ks_ptr,
-               kes_ptr, NK, smem, bars, WG, HEAD_DIM, BM, BN, STAGES, CAUSAL, True)  # _program_tiles: masked
-    for j in range(1, n_full):
-        dq = _step(j, dq, q, do, rows, row_t, r, delta, dov_scale, ks_ptr, kes_ptr, NK, smem, bars, WG, HEAD_DIM, BM,
-                   BN, STAGES, CAUSAL, False)
-    for j in range(n_full, n_tiles):
-        dq = _step(j, dq, q, do, rows, row_t, r, delta, dov_scale, ks_ptr, kes_ptr, NK, smem, bars, WG, HEAD_DIM, BM,
-                   BN, STAGES, CAUSAL, True)
+    dq = gl.zeros([BM, HEAD_DIM], gl.float32, o_layout)
+    for j in range(n_tiles):  # _program_tiles: tiles 1 .. n_full - 1 need no mask
+        dq = _step(j, dq, q, do, rows, row_t, r, delta, dov_scale, ks_ptr, kes_ptr, NK, (j == 0) | (j >= n_full),
+                   smem, bars, WG, HEAD_DIM, BM, BN, STAGES, CAUSAL)
 
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     rows_o = start_m + WG * BM + gl.arange(0, BM, row_o)
