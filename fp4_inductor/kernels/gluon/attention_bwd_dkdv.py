@@ -74,10 +74,10 @@ def _p_tile(start_m, s, keys, vecs, NQ, NK, ks, BM: gl.constexpr, CAUSAL: gl.con
 
 
 @gluon.jit
-def _ds_tile(h, start_m, p8, dp, vecs, dos_ptr, qes_ptr, b, H, v_scale, stride_qes):
+def _ds_tile(h, start_m, p8, dp, vecs, do_scale, qes_ptr, b, H, v_scale, stride_qes):
     """dSᵀ operand of the query tile at ``start_m`` of head ``h`` from its Pᵀ codes and
-    dPᵀ, and the scale of its dK product."""
-    dov_scale = gl.load(dos_ptr + b * H + h) * v_scale
+    dPᵀ (``do_scale``: the head's), and the scale of its dK product."""
+    dov_scale = do_scale * v_scale
     delta = vecs[2].load(gl.SliceLayout(0, dp.type.layout))
     ds8, ds_scale = _ds_operand(p8.to(gl.float32), dp, delta[None, :], dov_scale)
     qe_scale = gl.load(qes_ptr + (b * H + h) * stride_qes + start_m // 128)  # formats.SCALE_BLOCK
@@ -123,6 +123,7 @@ def _consumer(dos_ptr, vs_ptr, qes_ptr, dk_ptr, dv_ptr, smem, bars, out_strides,
         mbarrier.arrive(q_empty.index(stage))
         h = kv_head * GROUP + c // n_q  # step c: query tile j_lo + c % n_q of the group's head c // n_q
         start_m = (j_lo + c % n_q) * BM
+        do_scale = gl.load(dos_ptr + b * H + h)  # the query head's dO scale
         mbarrier.wait(t_ready.index(stage), phase)  # also the row vectors, read by _p_tile and _ds_tile
         vecs = (row_bufs[0].index(stage), row_bufs[1].index(stage), row_bufs[2].index(stage))
         whole = (start_m + BM <= NQ) & (last_key < NK)
@@ -134,13 +135,13 @@ def _consumer(dos_ptr, vs_ptr, qes_ptr, dk_ptr, dv_ptr, smem, bars, out_strides,
         else:
             p8 = _p_tile(start_m, s, keys, vecs, NQ, NK, ks, BM, CAUSAL, True)
         if HEAD_DIM == 128:  # dV's part live next to dSᵀ's temporaries would spill
-            ds8, scale = _ds_tile(h, start_m, p8, dp, vecs, dos_ptr, qes_ptr, b, H, v_scale, stride_qes)
+            ds8, scale = _ds_tile(h, start_m, p8, dp, vecs, do_scale, qes_ptr, b, H, v_scale, stride_qes)
         part = warpgroup_mma(gl.convert_layout(p8, a_layout), dot_bufs.index(stage).reshape([HEAD_DIM, BM])
                              .permute((1, 0)), part, use_acc=False, is_async=True)
         if HEAD_DIM == 64:  # dV's product runs while this warpgroup computes dSᵀ
-            ds8, scale = _ds_tile(h, start_m, p8, dp, vecs, dos_ptr, qes_ptr, b, H, v_scale, stride_qes)
+            ds8, scale = _ds_tile(h, start_m, p8, dp, vecs, do_scale, qes_ptr, b, H, v_scale, stride_qes)
         part = warpgroup_mma_wait(0, deps=(part,))
-        dv = dv + part * gl.load(dos_ptr + b * H + h)  # the query head's dO scale
+        dv = dv + part * do_scale
         part = warpgroup_mma(gl.convert_layout(ds8, a_layout), qet_bufs.index(stage).reshape([HEAD_DIM, BM])
                              .permute((1, 0)), part, use_acc=False, is_async=True)
         part = warpgroup_mma_wait(0, deps=(part,))
