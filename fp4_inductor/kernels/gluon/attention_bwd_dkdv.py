@@ -27,8 +27,9 @@ The query tiles of the GQA group's heads run one after the other in one sequence
 and dV are summed over the group without atomics.  Pᵀ and dSᵀ reach the A operand by a
 layout conversion (shuffles).  Only tiles that cross the causal diagonal or the end of the
 keys or queries are masked: a runtime branch per step between two compiled copies of the
-Pᵀ codes, joined before dSᵀ, whose code both share.  At D = 64 dV's product is issued
-before dSᵀ is computed and runs under it; at D = 128 its live part would spill.
+Pᵀ codes, joined before dSᵀ, whose code both share.  dV's product runs in two column
+halves, the first issued before dSᵀ is computed so that it runs under that work (a whole
+[64, 128] part live next to dSᵀ's temporaries spills).
 
 Scope (``supports``): P mode direct, no bias, D = 64 or 128.  K and V contiguous, Q and
 dO with any strides TMA accepts, token-major dOᵀ and Qeᵀ as the Triton launcher makes
@@ -100,7 +101,10 @@ def _consumer(dos_ptr, vs_ptr, qes_ptr, dk_ptr, dv_ptr, smem, bars, out_strides,
     k_op = k_smem.index(WG).reshape([BN, HEAD_DIM])
     v_op = v_smem.index(WG).reshape([BN, HEAD_DIM])
     dk = gl.zeros([BN, HEAD_DIM], gl.float32, o_layout)
-    dv = gl.zeros([BN, HEAD_DIM], gl.float32, o_layout)
+    HALF: gl.constexpr = HEAD_DIM // 2
+    h_layout: gl.constexpr = _wgmma_layout(HALF, nw)
+    dv_lo = gl.zeros([BN, HALF], gl.float32, h_layout)
+    dv_hi = gl.zeros([BN, HALF], gl.float32, h_layout)
     n_steps = GROUP * n_q
     # Also where no query tile sees these keys (causal, n_steps = 0): the program must not
     # exit while the producer's K and V loads still write its shared memory.
@@ -111,6 +115,8 @@ def _consumer(dos_ptr, vs_ptr, qes_ptr, dk_ptr, dv_ptr, smem, bars, out_strides,
     # tensor cores busy while this one waits on its products.
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
     part = gl.zeros([BN, HEAD_DIM], gl.float32, o_layout)
+    ha_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=h_layout, k_width=4)
+    v_part = gl.zeros([BN, HALF], gl.float32, h_layout)
     for c in range(n_steps):
         stage = c % STAGES
         phase = (c // STAGES) & 1
@@ -134,14 +140,16 @@ def _consumer(dos_ptr, vs_ptr, qes_ptr, dk_ptr, dv_ptr, smem, bars, out_strides,
             p8 = _p_tile(start_m, s, keys, vecs, NQ, NK, ks, BM, CAUSAL, False)
         else:
             p8 = _p_tile(start_m, s, keys, vecs, NQ, NK, ks, BM, CAUSAL, True)
-        if HEAD_DIM == 128:  # dV's part live next to dSᵀ's temporaries would spill
-            ds8, scale = _ds_tile(h, start_m, p8, dp, vecs, do_scale, qes_ptr, b, H, v_scale, stride_qes)
-        part = warpgroup_mma(gl.convert_layout(p8, a_layout), dot_bufs.index(stage).reshape([HEAD_DIM, BM])
-                             .permute((1, 0)), part, use_acc=False, is_async=True)
-        if HEAD_DIM == 64:  # dV's product runs while this warpgroup computes dSᵀ
-            ds8, scale = _ds_tile(h, start_m, p8, dp, vecs, do_scale, qes_ptr, b, H, v_scale, stride_qes)
-        part = warpgroup_mma_wait(0, deps=(part,))
-        dv = dv + part * do_scale
+        # dV's product in two column halves, the first under dSᵀ's work (module docstring).
+        pa = gl.convert_layout(p8, ha_layout)
+        dot = dot_bufs.index(stage).reshape([HEAD_DIM, BM])
+        v_part = warpgroup_mma(pa, dot.slice(0, HALF).permute((1, 0)), v_part, use_acc=False, is_async=True)
+        ds8, scale = _ds_tile(h, start_m, p8, dp, vecs, do_scale, qes_ptr, b, H, v_scale, stride_qes)
+        v_part = warpgroup_mma_wait(0, deps=(v_part,))
+        dv_lo = dv_lo + v_part * do_scale
+        v_part = warpgroup_mma(pa, dot.slice(HALF, HALF).permute((1, 0)), v_part, use_acc=False, is_async=True)
+        v_part = warpgroup_mma_wait(0, deps=(v_part,))
+        dv_hi = dv_hi + v_part * do_scale
         part = warpgroup_mma(gl.convert_layout(ds8, a_layout), qet_bufs.index(stage).reshape([HEAD_DIM, BM])
                              .permute((1, 0)), part, use_acc=False, is_async=True)
         part = warpgroup_mma_wait(0, deps=(part,))
@@ -154,7 +162,12 @@ def _consumer(dos_ptr, vs_ptr, qes_ptr, dk_ptr, dv_ptr, smem, bars, out_strides,
     offs = (b.to(gl.int64) * out_strides[0] + kv_head * out_strides[1] + rows[:, None] * out_strides[2]
             + cols[None, :] * out_strides[3])
     gl.store(dk_ptr + offs, dk.to(dk_ptr.dtype.element_ty), mask=(rows < NK)[:, None])
-    gl.store(dv_ptr + offs, dv.to(dv_ptr.dtype.element_ty), mask=(rows < NK)[:, None])
+    rows_h = k0 + WG * BN + gl.arange(0, BN, gl.SliceLayout(1, h_layout))
+    cols_h = gl.arange(0, HALF, gl.SliceLayout(0, h_layout))
+    offs_h = (b.to(gl.int64) * out_strides[0] + kv_head * out_strides[1] + rows_h[:, None] * out_strides[2]
+              + cols_h[None, :] * out_strides[3])
+    gl.store(dv_ptr + offs_h, dv_lo.to(dv_ptr.dtype.element_ty), mask=(rows_h < NK)[:, None])
+    gl.store(dv_ptr + offs_h + HALF * out_strides[3], dv_hi.to(dv_ptr.dtype.element_ty), mask=(rows_h < NK)[:, None])
 
 
 @gluon.jit
