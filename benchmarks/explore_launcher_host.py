@@ -1,13 +1,16 @@
 """The backward launcher's own Python time a call, on any machine (no GPU needed).
 
-    python benchmarks/explore_launcher_host.py [--calls 300] [--profile]
+    python benchmarks/explore_launcher_host.py [--calls 300] [--profile] [--cuda]
 
 Runs ``kernels.triton.attention_backward`` with the Gluon dQ and dK/dV hooks on CPU
 tensors (B=1, H=2, N=128, D=128, causal, P mode direct; the host work does not depend on
 the shape) with every kernel launch (the Gluon kernels, the tiled transposes) replaced by
 a no-op: what remains is our launcher's Python (checks, descriptors, layouts, views) and
-its few small aten ops.  Triton's JIT dispatch and the CUDA side are not in it: on a GPU,
-``explore_host.py`` measures the whole.  ``--profile`` prints cProfile's top entries.
+its few small aten ops.  ``--cuda`` runs the same calls on a GPU with the real launches
+(B=1, H=2, N=4096), so Triton's JIT dispatch is in the time: the calls are queued without
+a sync and their kernels take less than the host, so the time is the host's.
+``--profile`` prints cProfile's top entries, here all on one thread (in a training step
+the backward runs on autograd's own thread, which cProfile does not follow reliably).
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ import os
 import pstats
 import sys
 import time
+
+import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from explore_backward import bwd_operands  # noqa: E402
@@ -42,10 +47,13 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--calls", type=int, default=300)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--cuda", action="store_true", help="real launches on the GPU")
     args = ap.parse_args()
-    attention_bwd._transpose_kernel = attention_bwd_dq._dq_ws = attention_bwd_dkdv._dkdv_ws = NoLaunch()
-
-    _, operands = bwd_operands(1, 2, 128, 128, device="cpu")
+    if args.cuda:
+        _, operands = bwd_operands(1, 2, 4096, 128, device="cuda")
+    else:
+        attention_bwd._transpose_kernel = attention_bwd_dq._dq_ws = attention_bwd_dkdv._dkdv_ws = NoLaunch()
+        _, operands = bwd_operands(1, 2, 128, 128, device="cpu")
     taken = []
 
     def hook(name):
@@ -54,22 +62,30 @@ def main():
             return taken[-1]
         return run
 
+    def sync():
+        if args.cuda:
+            torch.cuda.synchronize()
+
     def call():
         attention_bwd.attention_backward(*operands, dq_kernel=hook("_gluon_dq"), dkdv_kernel=hook("_gluon_dkdv"))
 
     call()
     assert taken == [True, True], "the Gluon hooks did not take the call"
-    print(f"launches a call: {NoLaunch.launches}")
+    if not args.cuda:
+        print(f"launches a call: {NoLaunch.launches}")
     for _ in range(20):
         call()
+    sync()
     t0 = time.perf_counter()
     for _ in range(args.calls):
         call()
     print(f"launcher Python a call: {(time.perf_counter() - t0) / args.calls * 1e6:.0f} us")
+    sync()
     if args.profile:
         prof = cProfile.Profile()
         prof.runcall(lambda: [call() for _ in range(100)])
-        pstats.Stats(prof).sort_stats("cumulative").print_stats(25)
+        for order in ("cumulative", "tottime"):
+            pstats.Stats(prof).sort_stats(order).print_stats(25)
 
 
 if __name__ == "__main__":
