@@ -8,7 +8,8 @@ same under ``torch.compile`` (as bench_training.py's rows) and under
 kernel), one forward + backward a step:
   - host ms a step: 20 steps queued back to back without a sync, then the sync's wait
     counted apart (where the kernels outrun the host, this is the host's time a step);
-  - the kernels' device ms a step, and launches a step, from the profiler;
+  - the kernels' device ms a step, and launches a step, from the profiler, and each
+    kernel's ms a step;
   - the profiler's table of CPU self time (our custom ops' own Python is their self time);
   - for the compiled step, Python's own profile (cProfile): the functions with the most
     time of their own, which the op-level table cannot split.
@@ -58,8 +59,12 @@ def measure(step):
         torch.cuda.synchronize()
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     cpu_self = sorted(((e.key, e.self_cpu_time_total / 5e3) for e in prof.key_averages()), key=lambda kv: -kv[1])
+    per_kernel = {}
+    for e in kernels:
+        per_kernel[e.name[:80]] = per_kernel.get(e.name[:80], 0.0) + e.device_time / 5e3
     return {"host_ms": host * 1e3, "wall_ms": wall * 1e3, "kernels_ms": sum(e.device_time for e in kernels) / 5e3,
-            "launches": len(kernels) / 5, "cpu_self_ms": [(k[:80], round(t, 4)) for k, t in cpu_self[:15]]}
+            "launches": len(kernels) / 5, "cpu_self_ms": [(k[:80], round(t, 4)) for k, t in cpu_self[:15]],
+            "kernel_ms": sorted(((k, round(t, 4)) for k, t in per_kernel.items()), key=lambda kv: -kv[1])}
 
 
 def python_profile(step, top=25):
@@ -98,6 +103,7 @@ def main():
                 if mode == "compiled":
                     row["python_own_ms"] = python_profile(step)
                     print("  Python, own ms a step:", ", ".join(f"{k} {t:.3f}" for k, t, _ in row["python_own_ms"][:12]))
+                    print("  kernels, ms a step:", ", ".join(f"{k[:40]} {t:.3f}" for k, t in row["kernel_ms"][:14]))
                 result["rows"].append(row)
                 print(f"D={d} N={n} {mode:8s}: host {row['host_ms']:.3f} ms a step, kernels {row['kernels_ms']:.3f} "
                       f"ms, {row['launches']:.0f} launches; CPU self: "
