@@ -10,9 +10,10 @@ kernel), one forward + backward a step:
     counted apart (where the kernels outrun the host, this is the host's time a step);
   - the kernels' device ms a step, and launches a step, from the profiler, and each
     kernel's ms a step;
-  - the profiler's table of CPU self time (our custom ops' own Python is their self time);
-  - for the compiled step, Python's own profile (cProfile): the functions with the most
-    time of their own, which the op-level table cannot split.
+  - the profiler's table of CPU self time (our custom ops' own Python is their self time).
+A Python profile of the step would mislead: the backward runs on autograd's device thread,
+which cProfile does not follow; ``explore_launcher_host.py --cuda --profile`` profiles the
+backward launcher on one thread.
 Where host time exceeds kernel time the step waits on Python, not on the GPU.  Writes
 explore_host.json into --out-dir (default benchmarks/results).
 """
@@ -20,10 +21,8 @@ explore_host.json into --out-dir (default benchmarks/results).
 from __future__ import annotations
 
 import argparse
-import cProfile
 import json
 import os
-import pstats
 import sys
 import time
 
@@ -67,17 +66,6 @@ def measure(step):
             "kernel_ms": sorted(((k, round(t, 4)) for k, t in per_kernel.items()), key=lambda kv: -kv[1])}
 
 
-def python_profile(step, top=25):
-    """Per step: the ``top`` functions by own time (ms), with their calls a step."""
-    profiler = cProfile.Profile()
-    profiler.runcall(lambda: [step() for _ in range(STEPS)])
-    torch.cuda.synchronize()
-    stats = pstats.Stats(profiler).stats  # (file, line, name) -> (calls, _, own s, cumulative s, _)
-    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
-    return [(f"{os.path.basename(f)}:{line}({name})", round(own * 1e3 / STEPS, 4), calls / STEPS)
-            for (f, line, name), (calls, _, own, _, _) in rows]
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ns", type=int, nargs="+", default=[512, 1024, 4096])
@@ -100,14 +88,11 @@ def main():
                     fn(q, k, v).backward(dout)
 
                 row = {"d": d, "n": n, "mode": mode, **measure(step)}
-                if mode == "compiled":
-                    row["python_own_ms"] = python_profile(step)
-                    print("  Python, own ms a step:", ", ".join(f"{k} {t:.3f}" for k, t, _ in row["python_own_ms"][:12]))
-                    print("  kernels, ms a step:", ", ".join(f"{k[:40]} {t:.3f}" for k, t in row["kernel_ms"][:14]))
                 result["rows"].append(row)
                 print(f"D={d} N={n} {mode:8s}: host {row['host_ms']:.3f} ms a step, kernels {row['kernels_ms']:.3f} "
                       f"ms, {row['launches']:.0f} launches; CPU self: "
                       + ", ".join(f"{k[:28]} {t:.3f}" for k, t in row["cpu_self_ms"][:4]), flush=True)
+                print("  kernels, ms a step:", ", ".join(f"{k[:40]} {t:.3f}" for k, t in row["kernel_ms"][:8]))
     os.makedirs(args.out_dir, exist_ok=True)
     with open(os.path.join(args.out_dir, "explore_host.json"), "w") as f:
         json.dump(result, f, indent=1)
