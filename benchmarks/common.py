@@ -47,6 +47,16 @@ def empty_outputs(b, h, nq, d, dtype=torch.bfloat16, device="cuda", fill=float("
     return out, lse, row_ref
 
 
+def kernel_ms(prof, calls: int) -> dict:
+    """Device ms per call of each kernel among a torch profiler's CUDA events, recorded
+    over ``calls`` calls."""
+    per_kernel = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            per_kernel[e.name] = per_kernel.get(e.name, 0.0) + e.device_time / (1e3 * calls)
+    return per_kernel
+
+
 def environment() -> dict:
     try:
         import triton

@@ -46,11 +46,7 @@ def kernel_times(fn, calls=5):
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
-    per_kernel = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            per_kernel[e.name] = per_kernel.get(e.name, 0.0) + e.device_time / (1e3 * calls)
-    return per_kernel
+    return C.kernel_ms(prof, calls)
 
 
 def profile_step(b, h, n, d):

@@ -56,14 +56,12 @@ def measure(step):
         for _ in range(5):
             step()
         torch.cuda.synchronize()
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    launches = sum(e.device_type == torch.autograd.DeviceType.CUDA for e in prof.events())
     cpu_self = sorted(((e.key, e.self_cpu_time_total / 5e3) for e in prof.key_averages()), key=lambda kv: -kv[1])
-    per_kernel = {}
-    for e in kernels:
-        per_kernel[e.name[:80]] = per_kernel.get(e.name[:80], 0.0) + e.device_time / 5e3
-    return {"host_ms": host * 1e3, "wall_ms": wall * 1e3, "kernels_ms": sum(e.device_time for e in kernels) / 5e3,
-            "launches": len(kernels) / 5, "cpu_self_ms": [(k[:80], round(t, 4)) for k, t in cpu_self[:15]],
-            "kernel_ms": sorted(((k, round(t, 4)) for k, t in per_kernel.items()), key=lambda kv: -kv[1])}
+    per_kernel = C.kernel_ms(prof, 5)
+    return {"host_ms": host * 1e3, "wall_ms": wall * 1e3, "kernels_ms": sum(per_kernel.values()),
+            "launches": launches / 5, "cpu_self_ms": [(k[:80], round(t, 4)) for k, t in cpu_self[:15]],
+            "kernel_ms": sorted(((k[:80], round(t, 4)) for k, t in per_kernel.items()), key=lambda kv: -kv[1])}
 
 
 def main():
