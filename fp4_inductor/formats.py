@@ -52,14 +52,15 @@ E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 # Midpoints between neighbouring E2M1 magnitudes; a value exactly on one rounds down.
 E2M1_BOUNDARIES = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 
-# dS is quantized with one amax scale per (queries, keys) tile, so that the scale factors
-# out of the product that consumes it.  dQ = dS Ke and dK = dS^T Qe run in separate
-# kernels, each quantizing the dS it computes over its own tile, a consumer warpgroup's
-# in the Gluon kernels: 64 queries x 128 keys for dQ, 64 x 64 for dK.  The Triton dK/dV
-# kernel, which keeps exp, fp4 and biases, walks 128 keys with one dS scale per half.  The
-# tile shape does not change the gradient error (benchmarks/grad_error_budget.py).
-DS_TILE_DQ = (64, 128)
-DS_TILE_DK = (64, 64)
+# dS is quantized with one amax scale per (queries, keys) block, a row factor of the
+# product that consumes it.  dQ = dS Ke and dK = dS^T Qe run in separate kernels, each
+# quantizing the dS it computes: for dQ one scale per query and 128-key tile, for dK one
+# per key and 64-query step.  A line's amax stays within the four threads that hold a row
+# of a wgmma tile, where a whole tile's crossed the warpgroup's four warps through shared
+# memory and two barriers a step; the gradient error is slightly lower than with whole
+# tiles (benchmarks/grad_error_budget.py).
+DS_TILE_DQ = (1, 128)
+DS_TILE_DK = (64, 1)
 
 
 def p_lift(p_mode: str) -> float:
@@ -291,20 +292,20 @@ def fp4_probability(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     return p.flatten(-2)
 
 
-# Floor of dS's tile scale: float32's smallest normal, so 1 / scale is finite (2**126) and
-# the kernels' ds * (1 / scale) needs no NaN guard for tiles of exact zeros (0 * inf).
+# Floor of a dS block's scale: float32's smallest normal, so 1 / scale is finite (2**126) and
+# the kernels' ds * (1 / scale) needs no NaN guard for blocks of exact zeros (0 * inf).
 DS_SCALE_MIN = 2.0**-126
 
 
 def ds_scale(amax: torch.Tensor) -> torch.Tensor:
-    """The scale of a dS tile of this amax: amax / 448, floored at DS_SCALE_MIN (an
-    all-zero tile too); a NaN amax stays in the scale."""
+    """The scale of a dS block of this amax: amax / 448, floored at DS_SCALE_MIN (an
+    all-zero block too); a NaN amax stays in the scale."""
     scale = amax / E4M3_MAX
     return torch.where(scale < DS_SCALE_MIN, DS_SCALE_MIN, scale)
 
 
 def quantize_ds(ds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """dS of one (query tile, key tile) as E4M3 with its tile's ``ds_scale``."""
+    """dS of one scale block (the last two dimensions) as E4M3 with its ``ds_scale``."""
     scale = ds_scale(ds.abs().amax(dim=(-2, -1), keepdim=True))
     return _cast(ds / scale, E4M3, E4M3_MAX).float(), scale
 

@@ -151,8 +151,8 @@ def attention_backward(
     k = _heads(F.dequantize_blockwise(ke, ke_scale), h)
     q = F.dequantize_blockwise(qe, qe_scale)
     r = row_ref.float()
-    # Row blocks holding whole dQ and dK tiles: memory grows with N, not N**2, and the
-    # dS tiles stay aligned at 0 as the kernels' are.
+    # Row blocks holding whole dQ and dK scale blocks: memory grows with N, not N**2, and the
+    # blocks stay aligned at 0 as the kernels' are.
     step = math.lcm(F.DS_TILE_DQ[0], F.DS_TILE_DK[0])
     dq, dk, dv = [], 0.0, 0.0
     for start in range(0, nq, step):

@@ -19,7 +19,7 @@ are set from those measurements; rule 1 stays exact because scores are INT8 prod
 1. P codes are bit-identical to the reference's (integer scores, same formula).  One
    flipped code fails.  "exp" P uses the GPU's exp2 (MUFU, ~2 ulp) against the CPU's, so
    a value on an E4M3 rounding boundary may flip: at most one code in 10^4, one step.
-2. dS codes of both kernels (over ``formats.DS_TILE_DQ`` and ``DS_TILE_DK`` tiles) equal
+2. dS codes of both kernels (over ``formats.DS_TILE_DQ`` and ``DS_TILE_DK`` blocks) equal
    the reference's wherever the reference's unrounded dS/scale is farther from an E4M3
    rounding midpoint than the dP accumulation error (bounded here by 1e-3 of
    sum |dO| |V|, ~8x the measured error); any other difference fails, so a single

@@ -12,9 +12,9 @@ transposed tiles [keys, queries]:
 
   Sᵀ = K·Qᵀ (INT8, exact),  dPᵀ = V·dOᵀ (E4M3 × E5M2),
   Pᵀ = Direct-P codes against the forward's row references (one per query, a column),
-  dSᵀ = Pᵀ ∘ (dPᵀ·do_scale·v_scale − delta) → E4M3 with the amax scale of its 64×64 tile
-  (``formats.DS_TILE_DK``, one warpgroup's tile: no exchange between warpgroups),
-  dV += (Pᵀ·dO)·do_scale and dK += (dSᵀ·Qe)·(ds_scale·qe_scale), each product summed in
+  dSᵀ = Pᵀ ∘ (dPᵀ·do_scale·v_scale − delta) → E4M3 with one amax scale per key over the
+  step's 64 queries (``formats.DS_TILE_DK``: a reduction within a row's four threads),
+  dV += (Pᵀ·dO)·do_scale and dK += (dSᵀ·Qe)·(ds_scale_key·qe_scale), each product summed in
   float32 as the Triton kernel does (same numbers).
 
 A warpgroup issues its products one after the other (one float32 part live): the two
@@ -46,14 +46,14 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ... import formats as F
-from .attention_bwd_dq import _ds_operand, _issue_s_dp, _tma_ready, _token_major_desc
+from .attention_bwd_dq import _ds_operand, _issue_s_dp, _rows, _tma_ready, _token_major_desc
 from .attention_fwd import (_LAUNCH, _REGS, _compile_sm90, _direct_p, _direct_p_bias, _layout, _mul_rn,
                             _ping_pong_barriers, _tensor_desc, _wgmma_layout)
 
 BLOCK_N = F.KEY_TILE  # keys per program: one K scale block
-BN_WG = BLOCK_N // 2  # keys per consumer warpgroup = one dS tile's keys
-BM = F.DS_TILE_DK[0]  # queries per step = one dS tile's queries
-assert F.DS_TILE_DK[1] == BN_WG and F.SCALE_BLOCK % BM == 0
+BN_WG = BLOCK_N // 2  # keys per consumer warpgroup, each with its own dS scale
+BM = F.DS_TILE_DK[0]  # queries per step = the queries of one dS scale
+assert F.DS_TILE_DK[1] == 1 and F.SCALE_BLOCK % BM == 0
 NUM_STAGES = 2
 
 
@@ -77,7 +77,7 @@ def _p_tile(start_m, s, keys, vecs, NQ, NK, ks, BM: gl.constexpr, CAUSAL: gl.con
 @gluon.jit
 def _ds_tile(h, start_m, p8, dp, vecs, do_scale, qes_ptr, b, H, v_scale, stride_qes):
     """dSᵀ operand of the query tile at ``start_m`` of head ``h`` from its Pᵀ codes and
-    dPᵀ (``do_scale``: the head's), and the scale of its dK product."""
+    dPᵀ (``do_scale``: the head's), and the per-key scales of its dK product."""
     dov_scale = do_scale * v_scale
     delta = vecs[2].load(gl.SliceLayout(0, dp.type.layout))
     ds8, ds_scale = _ds_operand(p8.to(gl.float32), dp, delta[None, :], dov_scale)
@@ -154,7 +154,7 @@ def _consumer(dos_ptr, vs_ptr, qes_ptr, dk_ptr, dv_ptr, smem, bars, out_strides,
                              .permute((1, 0)), part, use_acc=False, is_async=True)
         part = warpgroup_mma_wait(0, deps=(part,))
         mbarrier.arrive(t_empty.index(stage))
-        dk = dk + part * scale
+        dk = dk + part * _rows(scale, dk)
 
     rows = k0 + WG * BN + gl.arange(0, BN, gl.SliceLayout(1, o_layout))
     cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, o_layout))

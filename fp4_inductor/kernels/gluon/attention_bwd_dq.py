@@ -7,9 +7,9 @@ warpgroups of 64 rows taking turns on the tensor cores.  Per key tile j and warp
 
   S = Q·Kᵀ (INT8, exact),  dP = dO·Vᵀ (E5M2 × E4M3),
   P = Direct-P codes against the forward's row reference,
-  dS = P ∘ (dP·do_scale·v_scale − delta) → E4M3 with the amax scale of its 64×128 tile
-  (``formats.DS_TILE_DQ``, one warpgroup's tile: no exchange between warpgroups),
-  dQ += (dS·Ke)·(ds_scale·ke_scale)  — issued once dS is ready, one product in flight.
+  dS = P ∘ (dP·do_scale·v_scale − delta) → E4M3 with one amax scale per query row of the
+  tile (``formats.DS_TILE_DQ``: a reduction within the row's four threads),
+  dQ += (dS·Ke)·(ds_scale_row·ke_scale)  — issued once dS is ready, one product in flight.
 
 It computes the numbers of the Triton dQ kernel (the same tiles and formulas).  Issuing
 tile j-1's product under tile j's S and dP instead (the forward's P·V order) kept dQ, that
@@ -37,25 +37,33 @@ from .attention_fwd import (_LAUNCH, _REGS, _compile_sm90, _e4m3, _layout, _p_op
                             _probability, _program_tiles, _scores, _tensor_desc, _wgmma_layout)
 
 BLOCK_N = F.KEY_TILE
-BM_WG = F.DS_TILE_DQ[0]  # query rows per consumer warpgroup = one dS tile's rows
-assert F.DS_TILE_DQ == (64, BLOCK_N)
+BM_WG = 64  # query rows per consumer warpgroup
+assert F.DS_TILE_DQ == (1, BLOCK_N)  # one dS scale per query row and key tile
 NUM_STAGES = 2
 DS_SCALE_MIN = gl.constexpr(F.DS_SCALE_MIN)
 
 
 @gluon.jit
 def _ds_operand(p, dp, delta, dov_scale):
-    """dS = P ∘ (dP·scale − delta) as E4M3 codes with its tile's amax scale
-    (formats.ds_scale: floored, so its inverse is finite and a tile's exact zeros stay
-    zeros), rounded and saturated by the cvt instruction as the forward's exp mode; a NaN
-    element stays NaN (the amax skips it), as in the Triton kernel; ``delta`` broadcast
-    to the tile ([rows, 1], or [1, cols] for a transposed tile)."""
+    """dS = P ∘ (dP·scale − delta) as E4M3 codes with one amax scale per row of the tile
+    (rows are queries here, keys in a transposed tile; formats.ds_scale: floored, so its
+    inverse is finite and a row's exact zeros stay zeros), rounded and saturated by the
+    cvt instruction as the forward's exp mode; a NaN element stays NaN (the amax skips
+    it), as in the Triton kernel; ``delta`` broadcast to the tile ([rows, 1], or [1, cols]
+    for a transposed tile).  The scales are returned per row."""
     ds = p * (dp * dov_scale - delta)
-    amax = gl.max(gl.max(gl.abs(ds), 1), 0)
+    amax = gl.max(gl.abs(ds), 1)
     ds_scale = gl.div_rn(amax, 448.0)
     ds_scale = gl.where(ds_scale < DS_SCALE_MIN, DS_SCALE_MIN, ds_scale)
-    ds8 = _e4m3(ds * gl.div_rn(1.0, ds_scale)).to(gl.float8e4nv, bitcast=True)
+    ds8 = _e4m3(ds * gl.div_rn(1.0, ds_scale)[:, None]).to(gl.float8e4nv, bitcast=True)
     return ds8, ds_scale
+
+
+@gluon.jit
+def _rows(v, acc):
+    """A per-row vector of a score tile as a row factor of the accumulator ``acc`` (the
+    same rows in the same threads: no data moves)."""
+    return gl.convert_layout(v, gl.SliceLayout(1, acc.type.layout), assert_trivial=True)[:, None]
 
 
 @gluon.jit
@@ -102,7 +110,7 @@ def _step(j, dq, q, do, rows, row_t, r, delta, dov_scale, ks_ptr, kes_ptr, NK, m
                          .permute((1, 0)), gl.zeros_like(dq), use_acc=False, is_async=True)
     part = warpgroup_mma_wait(0, deps=(part,))
     mbarrier.arrive(ke_empty.index(stage))
-    return dq + part * (ds_scale * gl.load(kes_ptr + j))
+    return dq + part * _rows(ds_scale * gl.load(kes_ptr + j), dq)
 
 
 @gluon.jit

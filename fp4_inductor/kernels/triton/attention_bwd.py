@@ -1,14 +1,14 @@
 """Hopper (sm_90) backward attention in Triton: INT8 score recompute, FP8 gradient products.
 
 Computes what ``reference.attention_backward`` specifies.  Per tile of 128 keys (a K scale
-block) and 64 queries (dQ kernel, ``formats.DS_TILE_DQ``) or the dK tile's (dK/dV kernel,
-``formats.DS_TILE_DK``: 64, with one dS scale per half of the keys):
+block) and 64 queries:
   x = int8 q.k * (q_scale * log2e * k_scale) [+ bias], masked     (exact int32 products)
   p = formats.probability_operand(x, r)  (r: the forward's row reference; bit-identical codes)
   dP = (E5M2 dO . E4M3 V^T) * do_scale * v_scale
-  dS = p * (dP - delta) -> E4M3 with the tile's amax scale
-  dV += (E4M3 P^T . E5M2 dO) * do_scale,  dK += (E4M3 dS^T . E4M3 Qe) * ds_scale * qe_scale,
-  dQ += (E4M3 dS . E4M3 Ke) * ds_scale * ke_scale
+  dS = p * (dP - delta) -> E4M3 with an amax scale per key (dK/dV kernel,
+       ``formats.DS_TILE_DK``) or per query (dQ kernel, ``formats.DS_TILE_DQ``)
+  dV += (E4M3 P^T . E5M2 dO) * do_scale,  dK += (E4M3 dS^T . E4M3 Qe) * ds_scale_key * qe_scale,
+  dQ += (E4M3 dS . E4M3 Ke) * ds_scale_query * ke_scale
 Each tile's scales multiply its partial product before it joins the fp32 accumulator.
 
 Work split (FlashAttention-2 style, two kernels, no atomics):
@@ -59,14 +59,13 @@ from ... import formats as F
 from .common import e2m1_round, max_propagate_nan
 
 _P_MODE_ID = {"direct": 0, "exp": 1, "fp4": 2}
-# Key tile = K scale block = dQ's dS tile width; query tile = each kernel's dS tile height
-# (dividing the Qe scale block).  The dK/dV kernel scales dS per key sub-tile of its
-# 128-key tile where the dK tile is narrower (KEY_SPLIT): a per-row factor of dK.
+# Key tile = K scale block = the keys of one dQ dS scale; query tile = the queries of one
+# dK dS scale (dividing the Qe scale block).  Each dS scale is a row factor of its product.
 BLOCK_N = F.KEY_TILE
+BLOCK_M = F.DS_TILE_DK[0]
 DS_SCALE_MIN = tl.constexpr(F.DS_SCALE_MIN)
-BLOCK_M_DQ = F.DS_TILE_DQ[0]
-assert F.DS_TILE_DQ[1] == BLOCK_N == F.KEY_TILE == F.SCALE_BLOCK == 128
-assert F.SCALE_BLOCK % F.DS_TILE_DK[0] == 0 and BLOCK_N % F.DS_TILE_DK[1] == 0
+assert F.DS_TILE_DQ == (1, BLOCK_N) and F.DS_TILE_DK == (BLOCK_M, 1)
+assert BLOCK_N == F.KEY_TILE == F.SCALE_BLOCK == 128 and F.SCALE_BLOCK % BLOCK_M == 0
 
 
 @triton.jit
@@ -129,9 +128,9 @@ def _probability_t(x, r, P_MODE: tl.constexpr, EMULATE: tl.constexpr,
 @triton.jit
 def _tile(k, v, q, do, row_t, r, delta, k_scale, dov_scale, b_ptrs, offs_m, offs_n, NQ, NK,
           P_MODE: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, EMULATE: tl.constexpr,
-          MIXED_F16: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, KEY_SPLIT: tl.constexpr = 1):
-    """One transposed tile: P^T and dS^T codes [keys, queries] and the dS scale: one per
-    tile, or (KEY_SPLIT > 1) one per key sub-tile, returned per key row.
+          MIXED_F16: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, PER_KEY: tl.constexpr):
+    """One transposed tile: P^T and dS^T codes [keys, queries] and the dS scales, one per
+    key ([keys], PER_KEY: the dK product's) or one per query ([queries]: the dQ product's).
 
     k, v: [keys, D] INT8 / E4M3; q, do: [queries, D] INT8 / E5M2; row_t = q_scale * log2e,
     r (the forward's integer row reference), delta: [queries]; dov_scale = do_scale * v_scale."""
@@ -153,16 +152,17 @@ def _tile(k, v, q, do, row_t, r, delta, k_scale, dov_scale, b_ptrs, offs_m, offs
     else:
         dp = tl.dot(v, tl.trans(do)) * dov_scale
     ds = p.to(tl.float32) * (dp - delta[None, :])
-    if KEY_SPLIT == 1:
-        amax = tl.max(tl.max(tl.abs(ds), 1), 0)
+    if PER_KEY:
+        amax = tl.max(tl.abs(ds), 1)
     else:
-        part = tl.max(tl.max(tl.reshape(tl.abs(ds), (KEY_SPLIT, BLOCK_N // KEY_SPLIT, BLOCK_M)), 2), 1)
-        amax = tl.reshape(tl.broadcast_to(part[:, None], (KEY_SPLIT, BLOCK_N // KEY_SPLIT)), (BLOCK_N,))
+        amax = tl.max(tl.abs(ds), 0)
     ds_scale = tl.math.div_rn(amax, 448.0)
     ds_scale = tl.where(ds_scale < DS_SCALE_MIN, DS_SCALE_MIN, ds_scale)  # formats.quantize_ds
     inv = tl.math.div_rn(1.0, ds_scale)
-    if KEY_SPLIT > 1:
+    if PER_KEY:
         inv = inv[:, None]
+    else:
+        inv = inv[None, :]
     # A NaN element stays NaN, as the Gluon kernels' saturating cvt keeps it.
     ds8 = _to_operand(tl.clamp(ds * inv, -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL), EMULATE)
     return p, ds8, ds_scale, dp
@@ -197,7 +197,7 @@ def _bwd_dkdv_kernel(
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
     H, HKV, GROUP, NQ, NK,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KEY_SPLIT: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     P_MODE: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
     EMULATE: tl.constexpr, DEBUG: tl.constexpr, MIXED_F16: tl.constexpr = False,
 ):
@@ -244,7 +244,7 @@ def _bwd_dkdv_kernel(
                 do = do.to(tl.float32)
             p, ds, ds_scale, dp = _tile(k, v, q, do, row_t, r, delta, k_scale, dov_scale, b_ptrs, offs_m, offs_n,
                                         NQ, NK, P_MODE, CAUSAL, HAS_BIAS, EMULATE, MIXED_F16, BLOCK_N, BLOCK_M,
-                                        KEY_SPLIT)
+                                        True)
 
             do_t = tl.load(DOT + b * stride_dtb + h * stride_dth + offs_d[:, None] * stride_dtd
                            + offs_m[None, :] * stride_dtm, mask=m_ok[None, :], other=0.0)
@@ -258,10 +258,7 @@ def _bwd_dkdv_kernel(
                 dv += tl.dot(p.to(tl.float16), tl.trans(do_t.to(tl.float16))) * do_scale
             else:
                 dv += tl.dot(p, tl.trans(do_t)) * do_scale
-            if KEY_SPLIT > 1:  # a scale per key row
-                dk += tl.dot(ds, tl.trans(qe_t)) * (ds_scale[:, None] * qe_scale)
-            else:
-                dk += tl.dot(ds, tl.trans(qe_t)) * (ds_scale * qe_scale)
+            dk += tl.dot(ds, tl.trans(qe_t)) * (ds_scale[:, None] * qe_scale)
             if DEBUG:  # P and dP, [B, H, Nq, Nk] float32 (tests only)
                 dbg = b * H * NQ * NK + h * NQ * NK + offs_m[None, :] * NK + offs_n[:, None]
                 dbg_ok = n_ok[:, None] & m_ok[None, :]
@@ -335,16 +332,16 @@ def _bwd_dq_kernel(
         k_scale = tl.load(KS + b * stride_ksb + hk * stride_ksh + (start_n // BLOCK_N) * stride_ksn)
         b_ptrs = BIAS + b * stride_bb + h * stride_bh + offs_m[None, :] * stride_bm + offs_n[:, None] * stride_bn
         p, ds, ds_scale, dp = _tile(k, v, q, do, row_t, r, delta, k_scale, dov_scale, b_ptrs, offs_m, offs_n,
-                                    NQ, NK, P_MODE, CAUSAL, HAS_BIAS, EMULATE, MIXED_F16, BLOCK_N, BLOCK_M)
+                                    NQ, NK, P_MODE, CAUSAL, HAS_BIAS, EMULATE, MIXED_F16, BLOCK_N, BLOCK_M, False)
         ke_t = tl.load(KET + b * stride_ktb + hk * stride_kth + offs_d[:, None] * stride_ktd
                        + offs_n[None, :] * stride_ktn, mask=n_ok[None, :], other=0.0)
         if EMULATE:
             ke_t = ke_t.to(tl.float32)
         ke_scale = tl.load(KES + b * stride_kesb + hk * stride_kesh + (start_n // BLOCK_N) * stride_kesn)
-        dq += tl.dot(tl.trans(ds), tl.trans(ke_t)) * (ds_scale * ke_scale)
+        dq += tl.dot(tl.trans(ds), tl.trans(ke_t)) * (ds_scale[:, None] * ke_scale)
         if DEBUG:
             dbg = b * H * NQ * NK + h * NQ * NK + offs_m[None, :] * NK + offs_n[:, None]
-            tl.store(DBG_DS + dbg, ds.to(tl.float32) * ds_scale, mask=n_ok[:, None] & m_ok[None, :])
+            tl.store(DBG_DS + dbg, ds.to(tl.float32) * ds_scale[None, :], mask=n_ok[:, None] & m_ok[None, :])
 
     tl.store(DQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd,
              dq.to(DQ.dtype.element_ty), mask=m_ok[:, None])
@@ -470,7 +467,7 @@ def attention_backward(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale
             *do.stride(), *do_t.stride(), *do_scale.stride(), *delta.stride(), *q.stride(), *k.stride(), *v.stride(),
             *q_scale.stride(), *k_scale.stride(), *v_scale.stride(), *qe_t.stride(), *qe_scale.stride(),
             *common_tail, *dk.stride(), *dv.stride(),
-            h, hkv, h // hkv, nq, nk, BLOCK_M=F.DS_TILE_DK[0], KEY_SPLIT=BLOCK_N // F.DS_TILE_DK[1], **consts,
+            h, hkv, h // hkv, nq, nk, BLOCK_M=BLOCK_M, **consts,
             num_warps=warps, num_stages=stages,
         )
 
@@ -478,10 +475,10 @@ def attention_backward(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale
             and dq_kernel(do, do_scale, delta, q, k, v, q_scale, k_scale, v_scale, ke_t, ke_scale, row_ref, causal, dq):
         return
     warps, stages = cfg["dq"]
-    _bwd_dq_kernel[(triton.cdiv(nq, BLOCK_M_DQ), b * h)](
+    _bwd_dq_kernel[(triton.cdiv(nq, BLOCK_M), b * h)](
         do, do_scale, delta, q, k, v, q_scale, k_scale, v_scale, ke_t, ke_scale, bias_arg, row_ref, dq, dbg[2],
         *do.stride(), *do_scale.stride(), *delta.stride(), *q.stride(), *k.stride(), *v.stride(),
         *q_scale.stride(), *k_scale.stride(), *v_scale.stride(), *ke_t.stride(), *ke_scale.stride(),
         *common_tail, *dq.stride(),
-        h, hkv, h // hkv, nq, nk, BLOCK_M=BLOCK_M_DQ, **consts, num_warps=warps, num_stages=stages,
+        h, hkv, h // hkv, nq, nk, BLOCK_M=BLOCK_M, **consts, num_warps=warps, num_stages=stages,
     )
