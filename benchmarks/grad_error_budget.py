@@ -5,7 +5,7 @@ emulation: the kernels compute the same numbers).
 
 Gradients of ``lowp_attention`` (causal, Gaussian inputs) against float64 autograd of
 exact attention, rel-L2 of dQ, dK, dV, for variants of two format choices the issue
-leaves open: the dS scale blocks (``formats.DS_TILE_DQ`` and ``DS_TILE_DK``) and dO's format and scale
+leaves open: the dS scale blocks (``formats.DS_BLOCK_DQ`` and ``DS_BLOCK_DK``) and dO's format and scale
 granularity (``formats.quantize_do``).  Variants patch ``formats`` for the duration of a
 run; the shipped formats are the first row.  Writes grad_error_budget.json into
 --out-dir (default benchmarks/results).
@@ -61,7 +61,7 @@ VARIANTS = {  # name: (dS scale blocks of the dQ and dK products, quantize_do); 
     "dO E4M3 per head": (None, _scaled_do(F.E4M3, F.E4M3_MAX, None)),
     "dO E4M3 per 128 rows": (None, _scaled_do(F.E4M3, F.E4M3_MAX, 128)),
     "dO E4M3 per row": (None, _scaled_do(F.E4M3, F.E4M3_MAX, 1)),
-    "dO E4M3 per 128 rows, dS shipped": (None, _scaled_do(F.E4M3, F.E4M3_MAX, 128)),
+    "dO E4M3 per 128 rows, dS 64x128 (dQ) and 64x64 (dK) tiles": (((64, 128), (64, 64)), _scaled_do(F.E4M3, F.E4M3_MAX, 128)),
     "dO exact": (None, _exact_do),
     "dS 1x1 (scale per element), dO exact": (((1, 1),) * 2, _exact_do),
 }
@@ -69,14 +69,14 @@ VARIANTS = {  # name: (dS scale blocks of the dQ and dK products, quantize_do); 
 
 @contextlib.contextmanager
 def patched(ds_blocks, quantize_do):
-    saved = F.DS_TILE_DQ, F.DS_TILE_DK, F.quantize_do
+    saved = F.DS_BLOCK_DQ, F.DS_BLOCK_DK, F.quantize_do
     if ds_blocks:
-        F.DS_TILE_DQ, F.DS_TILE_DK = ds_blocks
+        F.DS_BLOCK_DQ, F.DS_BLOCK_DK = ds_blocks
     F.quantize_do = quantize_do or F.quantize_do
     try:
         yield
     finally:
-        F.DS_TILE_DQ, F.DS_TILE_DK, F.quantize_do = saved
+        F.DS_BLOCK_DQ, F.DS_BLOCK_DK, F.quantize_do = saved
 
 
 def gradients(fn, inputs, dout):

@@ -59,8 +59,8 @@ E2M1_BOUNDARIES = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 # of a wgmma tile, where a whole tile's crossed the warpgroup's four warps through shared
 # memory and two barriers a step; the gradient error is slightly lower than with whole
 # tiles (benchmarks/grad_error_budget.py).
-DS_TILE_DQ = (1, 128)
-DS_TILE_DK = (64, 1)
+DS_BLOCK_DQ = (1, 128)
+DS_BLOCK_DK = (64, 1)
 
 
 def p_lift(p_mode: str) -> float:

@@ -107,10 +107,10 @@ def attention_forward(
     return out.to(out_dtype), lse.squeeze(-1), m.squeeze(-1)
 
 
-def quantize_ds_tiles(ds: torch.Tensor, tile: tuple[int, int]) -> torch.Tensor:
-    """dS rounded to E4M3 with one amax scale per ``tile`` (``formats.DS_TILE_DQ`` or
-    ``DS_TILE_DK``) from element 0, returned dequantized."""
-    tm, tn = tile
+def quantize_ds_blocks(ds: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """dS rounded to E4M3 with one amax scale per ``block`` (``formats.DS_BLOCK_DQ`` or
+    ``DS_BLOCK_DK``) from element 0, returned dequantized."""
+    tm, tn = block
     nq, nk = ds.shape[-2:]
     pm, pn = (-nq) % tm, (-nk) % tn
     x = torch.nn.functional.pad(ds, (0, pn, 0, pm))
@@ -153,15 +153,15 @@ def attention_backward(
     r = row_ref.float()
     # Row blocks holding whole dQ and dK scale blocks: memory grows with N, not N**2, and the
     # blocks stay aligned at 0 as the kernels' are.
-    step = math.lcm(F.DS_TILE_DQ[0], F.DS_TILE_DK[0])
+    step = math.lcm(F.DS_BLOCK_DQ[0], F.DS_BLOCK_DK[0])
     dq, dk, dv = [], 0.0, 0.0
     for start in range(0, nq, step):
         rows = slice(start, min(start + step, nq))
         x = log2_scores(q8, k8, q_scale, k_scale, bias, causal, slice(0, nk), rows)
         p = _probability(x, r[..., rows, None], p_mode)
         ds = p * (do[..., rows, :] @ v.transpose(-1, -2) - delta[..., rows, None])
-        dq.append(quantize_ds_tiles(ds, F.DS_TILE_DQ) @ k)
-        dk = dk + quantize_ds_tiles(ds, F.DS_TILE_DK).transpose(-1, -2) @ q[..., rows, :]
+        dq.append(quantize_ds_blocks(ds, F.DS_BLOCK_DQ) @ k)
+        dk = dk + quantize_ds_blocks(ds, F.DS_BLOCK_DK).transpose(-1, -2) @ q[..., rows, :]
         dv = dv + p.transpose(-1, -2) @ do[..., rows, :]
     dq = torch.cat(dq, dim=-2)
     return dq.to(out_dtype), _group_sum(dk, hkv).to(out_dtype), _group_sum(dv, hkv).to(out_dtype)

@@ -19,16 +19,16 @@ are set from those measurements; rule 1 stays exact because scores are INT8 prod
 1. P codes are bit-identical to the reference's (integer scores, same formula).  One
    flipped code fails.  "exp" P uses the GPU's exp2 (MUFU, ~2 ulp) against the CPU's, so
    a value on an E4M3 rounding boundary may flip: at most one code in 10^4, one step.
-2. dS codes of both kernels (over ``formats.DS_TILE_DQ`` and ``DS_TILE_DK`` blocks) equal
+2. dS codes of both kernels (over ``formats.DS_BLOCK_DQ`` and ``DS_BLOCK_DK`` blocks) equal
    the reference's wherever the reference's unrounded dS/scale is farther from an E4M3
    rounding midpoint than the dP accumulation error (bounded here by 1e-3 of
    sum |dO| |V|, ~8x the measured error); any other difference fails, so a single
    wrongly computed code fails.  At most 1 % of codes may sit in that band.  dQ's codes
    are the dQ kernel's own (dumped); dK's are rebuilt from the dK/dV kernel's P and dP
-   dumps, so its scale tiles are checked by rule 3, through dK itself.
+   dumps, so its scale blocks are checked by rule 3, through dK itself.
 3. dQ, dK, dV equal the products of the kernels' codes with the reference's operands:
-   rel-L2 <= 2e-3, max |err| <= 2e-2 max |ref| (measured ~2e-4; a wrong tile scale or
-   tile shape, a missed or doubled tile, or a wrong GQA head is O(1e-2) rel-L2 or more),
+   rel-L2 <= 2e-3, max |err| <= 2e-2 max |ref| (measured ~2e-4; a wrong dS scale or
+   scale block, a missed or doubled tile, or a wrong GQA head is O(1e-2) rel-L2 or more),
    plus, for dK, what an ulp of dP moves where dP - delta cancels (its codes are rebuilt
    from the rounded dP; the kernel may fuse that rounding away).
 4. Against the reference gradients themselves: rel-L2 <= 1e-2 (measured up to 3e-3:
@@ -86,33 +86,33 @@ def rel_l2(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
-def _tiles(x, tile):
-    """[..., Nq, Nk] -> [..., tq, tk, tm, tn] zero-padded dS tiles."""
-    tm, tn = tile
+def _blocks(x, block):
+    """[..., Nq, Nk] -> [..., bq, bk, tm, tn] zero-padded dS scale blocks."""
+    tm, tn = block
     nq, nk = x.shape[-2:]
     x = torch.nn.functional.pad(x, (0, (-nk) % tn, 0, (-nq) % tm))
     return x.unflatten(-1, (-1, tn)).unflatten(-3, (-1, tm)).transpose(-3, -2)
 
 
-def _tile_amax(x, tile):
-    """Each element's ``tile`` amax of |x|, shaped like x."""
-    a = _tiles(x.abs(), tile).amax(dim=(-2, -1))
-    return a.repeat_interleave(tile[0], -2).repeat_interleave(tile[1], -1)[..., :x.shape[-2], :x.shape[-1]]
+def _block_amax(x, block):
+    """Each element's ``block`` amax of |x|, shaped like x."""
+    a = _blocks(x.abs(), block).amax(dim=(-2, -1))
+    return a.repeat_interleave(block[0], -2).repeat_interleave(block[1], -1)[..., :x.shape[-2], :x.shape[-1]]
 
 
 def _e4m3(x):
     return x.clamp(-F.E4M3_MAX, F.E4M3_MAX).to(F.E4M3).float()
 
 
-def _check_ds_codes(ds_kernel, ds_unrounded, noise, tile):
-    """Rule 2 for dS dequantized over ``tile`` scales.  ``noise``: elementwise bound on
+def _check_ds_codes(ds_kernel, ds_unrounded, noise, block):
+    """Rule 2 for dS dequantized over ``block`` scales.  ``noise``: elementwise bound on
     |kernel dS - reference dS| before rounding."""
-    t_k, t_u, t_n = (_tiles(t, tile) for t in (ds_kernel, ds_unrounded, noise))
+    t_k, t_u, t_n = (_blocks(t, block) for t in (ds_kernel, ds_unrounded, noise))
     a_u, a_k = (t.abs().amax(dim=(-2, -1), keepdim=True) for t in (t_u, t_k))
     s_u, s_k = F.ds_scale(a_u), F.ds_scale(a_k)
-    # The amax code is 448 but in tiles whose scale is floored (their amax is rounded too).
+    # The amax code is 448 but in blocks whose scale is floored (their amax is rounded too).
     amax_ok = ((a_k - a_u).abs() <= 1e-4 * a_u + t_n.amax(dim=(-2, -1), keepdim=True)) | (s_u == F.DS_SCALE_MIN)
-    assert amax_ok.all(), "dS tile amax off"
+    assert amax_ok.all(), "dS block amax off"
     codes_k = _e4m3(t_k / s_k)  # snaps away the rounding of code * scale in the dump
     # The kernel rounded its own dS (within ``noise`` of the reference's) over its own scale.
     c = t_u / s_k
@@ -152,9 +152,9 @@ def check(ops, causal, p_mode, grads, dumps):
     ds_unrounded = p_k * (dp - delta[..., None])
     noise = p_k * (1e-3 * (do.abs() @ v.abs().transpose(-1, -2)) + 1e-5 * delta.abs()[..., None])
     ds_dk_unrounded = p_k * (dp_k - delta[..., None])
-    ds_dk = R.quantize_ds_tiles(ds_dk_unrounded, F.DS_TILE_DK)
-    _check_ds_codes(ds_dq, ds_unrounded, noise, F.DS_TILE_DQ)
-    _check_ds_codes(ds_dk, ds_unrounded, noise, F.DS_TILE_DK)
+    ds_dk = R.quantize_ds_blocks(ds_dk_unrounded, F.DS_BLOCK_DK)
+    _check_ds_codes(ds_dq, ds_unrounded, noise, F.DS_BLOCK_DQ)
+    _check_ds_codes(ds_dk, ds_unrounded, noise, F.DS_BLOCK_DK)
 
     # 3. gradients = products of what the kernels multiplied
     kd = R._heads(F.dequantize_blockwise(ke, kes), h)
@@ -163,9 +163,9 @@ def check(ops, causal, p_mode, grads, dumps):
               R._group_sum(p_k.transpose(-1, -2) @ do, hkv))
     # dK's codes are rebuilt from the dP dump, rounded to float32; the kernel may fuse that
     # rounding away (dP's scaling and the subtraction of delta in one FMA).  Where dP - delta
-    # cancels (one key, say) that ulp moves dS, and the tile's amax scale with it.
+    # cancels (one key, say) that ulp moves dS, and its block's amax scale with it.
     fused = p_k * dp_k.abs() * 2.0**-23
-    scale_moved = _tile_amax(fused, F.DS_TILE_DK) / _tile_amax(ds_dk_unrounded, F.DS_TILE_DK).clamp_min(1e-30)
+    scale_moved = _block_amax(fused, F.DS_BLOCK_DK) / _block_amax(ds_dk_unrounded, F.DS_BLOCK_DK).clamp_min(1e-30)
     ds_moved = fused + ds_dk.abs() * scale_moved
     carried = (torch.zeros(()), R._group_sum(ds_moved.transpose(-1, -2) @ qd.abs(), hkv), torch.zeros(()))
     for name, got, exp, c in zip("dq dk dv".split(), grads, expect, carried):

@@ -82,7 +82,7 @@ def test_gluon_dq_matches_triton_dq(shape, causal, monkeypatch):
     """The Gluon dQ computes the Triton dQ kernel's numbers (the same tiles and formulas;
     bit-identical in bf16 on the H200), into the op's [B, N, H, D] storage.  Bounds:
     rel-L2 1e-3 and max |err| 1e-2 of max |dQ| (the tensor cores' accumulation may differ
-    in key order); one wrong tile or a tile scale 10 % off exceeds one of them."""
+    in key order); one wrong tile or a dS scale 10 % off exceeds one of them."""
     from fp4_inductor import kernels
 
     monkeypatch.setattr(kernels, "_gluon_failed", set())  # a failure elsewhere must not hide this one
@@ -181,7 +181,7 @@ GLUON_DKDV_SHAPES = [  # (B, H, Hkv, Nq, Nk, D)
 @pytest.mark.parametrize("shape", GLUON_DKDV_SHAPES, ids=lambda s: "b{}h{}kv{}q{}k{}d{}".format(*s))
 def test_gluon_dkdv_matches_triton_dkdv(shape, causal, monkeypatch):
     """The Gluon dK/dV kernel computes the Triton dK/dV kernel's numbers (the same tiles,
-    formulas and float32 sums of each tile's scaled products; measured bit-identical on
+    formulas and float32 sums of each tile's row-scaled products; measured bit-identical on
     the H200, the bounds leave room for summation order only) into the op's [B, N, H, D]
     storage."""
     from fp4_inductor import kernels

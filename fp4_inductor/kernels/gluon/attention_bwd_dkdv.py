@@ -13,7 +13,7 @@ transposed tiles [keys, queries]:
   Sᵀ = K·Qᵀ (INT8, exact),  dPᵀ = V·dOᵀ (E4M3 × E5M2),
   Pᵀ = Direct-P codes against the forward's row references (one per query, a column),
   dSᵀ = Pᵀ ∘ (dPᵀ·do_scale·v_scale − delta) → E4M3 with one amax scale per key over the
-  step's 64 queries (``formats.DS_TILE_DK``: a reduction within a row's four threads),
+  step's 64 queries (``formats.DS_BLOCK_DK``: a reduction within a row's four threads),
   dV += (Pᵀ·dO)·do_scale and dK += (dSᵀ·Qe)·(ds_scale_key·qe_scale), each product summed in
   float32 as the Triton kernel does (same numbers).
 
@@ -52,8 +52,8 @@ from .attention_fwd import (_LAUNCH, _REGS, _compile_sm90, _direct_p, _direct_p_
 
 BLOCK_N = F.KEY_TILE  # keys per program: one K scale block
 BN_WG = BLOCK_N // 2  # keys per consumer warpgroup, each with its own dS scale
-BM = F.DS_TILE_DK[0]  # queries per step = the queries of one dS scale
-assert F.DS_TILE_DK[1] == 1 and F.SCALE_BLOCK % BM == 0
+BM = F.DS_BLOCK_DK[0]  # queries per step = the queries of one dS scale
+assert F.DS_BLOCK_DK[1] == 1 and F.SCALE_BLOCK % BM == 0
 NUM_STAGES = 2
 
 

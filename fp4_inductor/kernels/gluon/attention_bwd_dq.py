@@ -8,7 +8,7 @@ warpgroups of 64 rows taking turns on the tensor cores.  Per key tile j and warp
   S = Q·Kᵀ (INT8, exact),  dP = dO·Vᵀ (E5M2 × E4M3),
   P = Direct-P codes against the forward's row reference,
   dS = P ∘ (dP·do_scale·v_scale − delta) → E4M3 with one amax scale per query row of the
-  tile (``formats.DS_TILE_DQ``: a reduction within the row's four threads),
+  tile (``formats.DS_BLOCK_DQ``: a reduction within the row's four threads),
   dQ += (dS·Ke)·(ds_scale_row·ke_scale)  — issued once dS is ready, one product in flight.
 
 It computes the numbers of the Triton dQ kernel (the same tiles and formulas).  Issuing
@@ -38,7 +38,7 @@ from .attention_fwd import (_LAUNCH, _REGS, _compile_sm90, _e4m3, _layout, _p_op
 
 BLOCK_N = F.KEY_TILE
 BM_WG = 64  # query rows per consumer warpgroup
-assert F.DS_TILE_DQ == (1, BLOCK_N)  # one dS scale per query row and key tile
+assert F.DS_BLOCK_DQ == (1, BLOCK_N)  # one dS scale per query row and key tile
 NUM_STAGES = 2
 DS_SCALE_MIN = gl.constexpr(F.DS_SCALE_MIN)
 

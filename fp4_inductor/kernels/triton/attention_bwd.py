@@ -6,7 +6,7 @@ block) and 64 queries:
   p = formats.probability_operand(x, r)  (r: the forward's row reference; bit-identical codes)
   dP = (E5M2 dO . E4M3 V^T) * do_scale * v_scale
   dS = p * (dP - delta) -> E4M3 with an amax scale per key (dK/dV kernel,
-       ``formats.DS_TILE_DK``) or per query (dQ kernel, ``formats.DS_TILE_DQ``)
+       ``formats.DS_BLOCK_DK``) or per query (dQ kernel, ``formats.DS_BLOCK_DQ``)
   dV += (E4M3 P^T . E5M2 dO) * do_scale,  dK += (E4M3 dS^T . E4M3 Qe) * ds_scale_key * qe_scale,
   dQ += (E4M3 dS . E4M3 Ke) * ds_scale_query * ke_scale
 Each tile's scales multiply its partial product before it joins the fp32 accumulator.
@@ -19,8 +19,8 @@ Work split (FlashAttention-2 style, two kernels, no atomics):
 The dQ kernel recomputes S and dP (two of the five products again) instead of adding dQ
 with fp32 atomics: no zeroed fp32 workspace, no conversion pass, deterministic results,
 and lower register pressure than holding dK, dV and a dQ tile at once.  Both kernels
-compute a tile with the same helper; each quantizes dS over its own query tile, so dQ
-and dK consume dS with different scale blocks (as the reference specifies).  Where it
+compute a tile with the same helper; each quantizes the dS it computes with its own
+scale blocks, per key for dK and per query for dQ (as the reference specifies).  Where it
 applies, ``kernels.gluon.attention_bwd_dq`` computes dQ instead of ``_bwd_dq_kernel``
 (the ``dq_kernel`` argument) and ``kernels.gluon.attention_bwd_dkdv`` dK and dV instead
 of ``_bwd_dkdv_kernel`` (``dkdv_kernel``), with the same numbers.
@@ -40,8 +40,8 @@ Numerics that are not bit for bit the reference's:
   differ from the reference's where dS sits within that error of an E4M3 midpoint.
   ``OPTIONS["MIXED_F16"]`` runs dP and dV with fp16 operands instead (E4M3 and E5M2
   values are exact in fp16; measured ~2e-7) at half the tensor-core rate;
-- otherwise float32 sums run in tensor-core order, and the scales multiply whole tile
-  products instead of every element;
+- otherwise float32 sums run in tensor-core order, and the scales multiply the rows of
+  tile products instead of every element;
 - the E4M3 dS code is the rounding of ``dS * (1 / scale)`` instead of ``dS / scale``
   (one float32 rounding apart);
 - ``p_mode="exp"`` uses the GPU's exp2 (as the forward kernel does).
@@ -59,13 +59,15 @@ from ... import formats as F
 from .common import e2m1_round, max_propagate_nan
 
 _P_MODE_ID = {"direct": 0, "exp": 1, "fp4": 2}
-# Key tile = K scale block = the keys of one dQ dS scale; query tile = the queries of one
-# dK dS scale (dividing the Qe scale block).  Each dS scale is a row factor of its product.
+# Key tile = K scale block = the keys of one dQ dS scale; the dK/dV kernel's query tile =
+# the queries of one dK dS scale (dividing the Qe scale block).  Each dS scale is a row
+# factor of its product.
 BLOCK_N = F.KEY_TILE
-BLOCK_M = F.DS_TILE_DK[0]
+BLOCK_M_DKDV = F.DS_BLOCK_DK[0]
+BLOCK_M_DQ = 64
 DS_SCALE_MIN = tl.constexpr(F.DS_SCALE_MIN)
-assert F.DS_TILE_DQ == (1, BLOCK_N) and F.DS_TILE_DK == (BLOCK_M, 1)
-assert BLOCK_N == F.KEY_TILE == F.SCALE_BLOCK == 128 and F.SCALE_BLOCK % BLOCK_M == 0
+assert F.DS_BLOCK_DQ == (1, BLOCK_N) and F.DS_BLOCK_DK == (BLOCK_M_DKDV, 1)
+assert BLOCK_N == F.KEY_TILE == F.SCALE_BLOCK == 128 and F.SCALE_BLOCK % BLOCK_M_DKDV == 0
 
 
 @triton.jit
@@ -467,7 +469,7 @@ def attention_backward(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale
             *do.stride(), *do_t.stride(), *do_scale.stride(), *delta.stride(), *q.stride(), *k.stride(), *v.stride(),
             *q_scale.stride(), *k_scale.stride(), *v_scale.stride(), *qe_t.stride(), *qe_scale.stride(),
             *common_tail, *dk.stride(), *dv.stride(),
-            h, hkv, h // hkv, nq, nk, BLOCK_M=BLOCK_M, **consts,
+            h, hkv, h // hkv, nq, nk, BLOCK_M=BLOCK_M_DKDV, **consts,
             num_warps=warps, num_stages=stages,
         )
 
@@ -475,10 +477,10 @@ def attention_backward(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale
             and dq_kernel(do, do_scale, delta, q, k, v, q_scale, k_scale, v_scale, ke_t, ke_scale, row_ref, causal, dq):
         return
     warps, stages = cfg["dq"]
-    _bwd_dq_kernel[(triton.cdiv(nq, BLOCK_M), b * h)](
+    _bwd_dq_kernel[(triton.cdiv(nq, BLOCK_M_DQ), b * h)](
         do, do_scale, delta, q, k, v, q_scale, k_scale, v_scale, ke_t, ke_scale, bias_arg, row_ref, dq, dbg[2],
         *do.stride(), *do_scale.stride(), *delta.stride(), *q.stride(), *k.stride(), *v.stride(),
         *q_scale.stride(), *k_scale.stride(), *v_scale.stride(), *ke_t.stride(), *ke_scale.stride(),
         *common_tail, *dq.stride(),
-        h, hkv, h // hkv, nq, nk, BLOCK_M=BLOCK_M, **consts, num_warps=warps, num_stages=stages,
+        h, hkv, h // hkv, nq, nk, BLOCK_M=BLOCK_M_DQ, **consts, num_warps=warps, num_stages=stages,
     )
