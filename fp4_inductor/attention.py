@@ -43,6 +43,9 @@ class _LowPrecisionAttention(torch.autograd.Function):
         out, lse, row_ref, operands = ops.quantized_forward(q, k, v, bias, sm_scale, causal, fmt, p_mode)
         ctx.save_for_backward(*operands, bias, out, lse, row_ref)
         ctx.sm_scale, ctx.causal, ctx.p_mode = sm_scale, causal, p_mode
+        # Gradients in the inputs' layout: contiguous inputs (leaves, say) get contiguous
+        # gradients, so that autograd does not re-lay them out with a strided copy.
+        ctx.grads_contiguous = all(t.is_contiguous() for t in (q, k, v))
         return out
 
     @staticmethod
@@ -52,7 +55,7 @@ class _LowPrecisionAttention(torch.autograd.Function):
             dout, out, lse, row_ref, q8, q_scale, k8, k_scale, ctx.p_mode)
         dq, dk, dv = torch.ops.fp4attn.bwd(
             do8, do_scale, delta, q8, k8, v8t, q_scale, k_scale, v_scale, qe, qe_scale, ke, ke_scale,
-            bias, row_ref, ctx.causal, ctx.p_mode, dout.dtype,
+            bias, row_ref, ctx.causal, ctx.p_mode, dout.dtype, ctx.grads_contiguous,
         )
         return dq * ctx.sm_scale, dk, dv, None, None, None, None, None
 

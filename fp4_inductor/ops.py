@@ -32,6 +32,16 @@ def bnhd_empty(like: torch.Tensor, heads: int, rows: int, dim: int, dtype: torch
     return torch.empty(like.shape[0], rows, heads, dim, dtype=dtype, device=like.device).transpose(1, 2)
 
 
+def grad_empty(like: torch.Tensor, heads: int, rows: int, dim: int, dtype: torch.dtype, contiguous: bool):
+    """A gradient buffer ``[B, H, N, D]``: contiguous where its input was (a leaf, say,
+    whose ``.grad`` autograd would otherwise re-lay out, a strided copy a step), else in
+    ``bnhd_empty``'s layout (what a projection's ``view(B, N, H, D).transpose(1, 2)`` gives
+    and its backward reads without a copy)."""
+    if contiguous:
+        return torch.empty(like.shape[0], heads, rows, dim, dtype=dtype, device=like.device)
+    return bnhd_empty(like, heads, rows, dim, dtype)
+
+
 def bnhd_like(x: torch.Tensor) -> torch.Tensor:
     """``x`` ``[B, H, N, D]`` in ``bnhd_empty``'s layout (a copy only where it differs),
     for ops whose fake promises that layout."""
@@ -139,13 +149,16 @@ def attention_bwd(
     causal: bool,
     p_mode: str,
     out_dtype: torch.dtype,
+    grads_contiguous: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients from the forward's saved operands; see ``reference.attention_backward``.
-    dQ is w.r.t. Q times the softmax scale.  All three are stored ``[B, N, H, D]``."""
+    dQ is w.r.t. Q times the softmax scale.  All three are stored as ``grad_empty`` lays
+    them out: contiguous with ``grads_contiguous`` (the attention's inputs were), else
+    ``[B, N, H, D]``.  The kernels take any strides."""
     h, hkv, d = q.shape[1], k.shape[1], q.shape[-1]
-    dq = bnhd_empty(q, h, q.shape[2], d, out_dtype)
-    dk = bnhd_empty(k, hkv, k.shape[2], d, out_dtype)
-    dv = bnhd_empty(k, hkv, k.shape[2], d, out_dtype)
+    dq = grad_empty(q, h, q.shape[2], d, out_dtype, grads_contiguous)
+    dk = grad_empty(k, hkv, k.shape[2], d, out_dtype, grads_contiguous)
+    dv = grad_empty(k, hkv, k.shape[2], d, out_dtype, grads_contiguous)
     kernel = backward_kernel(q, p_mode)
     if kernel is not None:
         try:
@@ -164,12 +177,13 @@ def attention_bwd(
 
 
 @attention_bwd.register_fake
-def _(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale, qe, qe_scale, ke, ke_scale, bias, row_ref, causal, p_mode, out_dtype):
+def _(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale, qe, qe_scale, ke, ke_scale, bias, row_ref, causal, p_mode, out_dtype,
+      grads_contiguous=False):
     h, hkv, d = q.shape[1], k.shape[1], q.shape[-1]
     return (
-        bnhd_empty(q, h, q.shape[2], d, out_dtype),
-        bnhd_empty(k, hkv, k.shape[2], d, out_dtype),
-        bnhd_empty(k, hkv, k.shape[2], d, out_dtype),
+        grad_empty(q, h, q.shape[2], d, out_dtype, grads_contiguous),
+        grad_empty(k, hkv, k.shape[2], d, out_dtype, grads_contiguous),
+        grad_empty(k, hkv, k.shape[2], d, out_dtype, grads_contiguous),
     )
 
 

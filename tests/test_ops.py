@@ -67,17 +67,38 @@ def test_fwd_fake_strides_match_real():
     assert out.transpose(1, 2).is_contiguous()
 
 
+@pytest.mark.parametrize("grads_contiguous", [False, True])
 @pytest.mark.parametrize("causal", [False, True])
-def test_bwd_opcheck(causal):
+def test_bwd_opcheck(causal, grads_contiguous):
     q8, k8, v8t, qs, ks, vs, bias, causal, p_mode, dtype = _fwd_args(causal=causal, bias=True)
     out, lse, row_ref = torch.ops.fp4attn.fwd(q8, k8, v8t, qs, ks, vs, bias, causal, p_mode, dtype)
     do8, do_scale = F.quantize_do(torch.randn(out.shape), lse, row_ref, p_mode)
     delta = (do8.float() * do_scale[..., None, None] * out.float()).sum(-1)
     qe, qes, ke, kes = F.backward_operands(q8, qs, k8, ks)
-    args = (do8, do_scale, delta, q8, k8, v8t, qs, ks, vs, qe, qes, ke, kes, bias, row_ref, causal, p_mode, dtype)
+    args = (do8, do_scale, delta, q8, k8, v8t, qs, ks, vs, qe, qes, ke, kes, bias, row_ref, causal, p_mode, dtype,
+            grads_contiguous)
     _opcheck(torch.ops.fp4attn.bwd.default, args)
     dq, dk, dv = torch.ops.fp4attn.bwd(*args)
     assert dq.shape == (2, 4, 70, 64) and dk.shape == dv.shape == (2, 2, 150, 64)
+    assert all(g.is_contiguous() == grads_contiguous for g in (dq, dk, dv))
+    assert all(g.transpose(1, 2).is_contiguous() != grads_contiguous for g in (dq, dk, dv))
+
+
+def test_gradients_come_in_the_inputs_layout():
+    """Contiguous [B, H, N, D] inputs (leaves, say) get contiguous gradients, which autograd
+    stores as they are (it re-lays out a strided one, a copy a step); inputs that are
+    transposes of [B, N, H, D] tensors, as projections give, get [B, N, H, D] gradients.
+    The numbers do not depend on the layout."""
+    from fp4_inductor.attention import lowp_attention
+
+    heads_major = [torch.randn(2, h, 70, 64, requires_grad=True) for h in (4, 2, 2)]
+    tokens_major = [t.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_() for t in heads_major]
+    dout = torch.randn(2, 4, 70, 64)
+    got_h = torch.autograd.grad(lowp_attention(*heads_major, is_causal=True), heads_major, dout)
+    got_t = torch.autograd.grad(lowp_attention(*tokens_major, is_causal=True), tokens_major, dout)
+    for h, t in zip(got_h, got_t, strict=True):
+        assert h.is_contiguous() and t.transpose(1, 2).is_contiguous()
+        assert torch.equal(h, t)
 
 
 def test_kernel_failure_falls_back_and_warns_once(monkeypatch):
