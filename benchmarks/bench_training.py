@@ -14,7 +14,10 @@ run (triton do_bench medians):
     cast plainly, E4M3 gradients, and the usual delayed scaling (a first step with unit
     scales measures the amaxes of S, O, dP and the gradients; the timed steps use scales
     from them).  cuDNN has no FP8 backward at D = 64 on sm_90: that row records the error.
-FLOPs: 2.5x the forward's for the backward, 3.5x for both (FA3's convention).
+Each timed step starts with the leaves' ``.grad`` set to None, as ``optimizer.zero_grad()``
+does, so autograd stores the gradients instead of adding them into the last step's (cuDNN
+FP8 writes its own buffers).  FLOPs: 2.5x the forward's for the backward, 3.5x for both
+(FA3's convention).
 Accuracy: rel-L2 of dQ, dK, dV against float32 autograd on the same inputs (the worst
 of the three is the row's).  Writes benchmarks/results/training_h200.json and .png.
 """
@@ -41,16 +44,21 @@ def _autograd(attend):
     """A method given as a differentiable ``attend(q, k, v)``: returns its setup."""
 
     def setup(leaves, dout):
-        for t in leaves:
-            t.grad = None
+        def drop_grads():  # as optimizer.zero_grad() does: autograd stores, no add into .grad
+            for t in leaves:
+                t.grad = None
+
+        drop_grads()
         out = attend(*leaves)
         out.backward(dout, retain_graph=True)
         grads = [t.grad.float() for t in leaves]
 
         def fwd_bwd():
+            drop_grads()
             attend(*leaves).backward(dout)
 
         def bwd():
+            drop_grads()
             out.backward(dout, retain_graph=True)
 
         return fwd_bwd, bwd, grads
