@@ -2,12 +2,17 @@
 defaults in kernels/triton/attention_fwd.py; see docs/perf-notes.md).
 
     python benchmarks/explore_forward.py [--quick]
+    python benchmarks/explore_forward.py --kernel-only [--ns 4096 16384] [--ds 128 64]
 
 1. accuracy of the kernel against reference.attention_forward (CPU, same quantized
    inputs): rel-L2, max |err| / max |ref|, max LSE difference, per P mode and shape;
 2. end-to-end ``lowp_attention`` against float32 SDPA on Gaussian inputs;
 3. TFLOP/s of kernel variants (tile config x switches) on FA3-grid shapes.
 Writes explore_forward.json into --out-dir (default benchmarks/results) and prints tables.
+``--kernel-only`` times only what the ``fp4attn::fwd`` op runs (``kernels.forward_kernel``:
+the Gluon kernel where it applies), P mode direct, causal and not, on the FA3 grid (min of
+three medians, with each kernel's device time from a profiler): the quick A/B of one source
+tree against another (``ab_kernels.py --forward``; explore_forward_kernels.json).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common as C  # noqa: E402
 
 from fp4_inductor import formats as F  # noqa: E402
+from fp4_inductor import kernels  # noqa: E402
 from fp4_inductor import reference as R  # noqa: E402
 from fp4_inductor.attention import lowp_attention  # noqa: E402
 from fp4_inductor.kernels.triton import attention_fwd as A  # noqa: E402
@@ -185,12 +191,47 @@ def run_timing(variants):
     return rows
 
 
+def run_kernel_only(ns, ds):
+    """What ``fp4attn::fwd`` runs, per shape: ms (min of three do_bench medians) and each
+    kernel's device ms."""
+    from triton.testing import do_bench
+
+    rows = []
+    for d in ds:
+        for n in ns:
+            for causal in (False, True):
+                b, h = C.fa3_shape(n, d)
+                _, t = C.quantized_inputs(b, h, h, n, n, d, "direct")
+                outputs = C.empty_outputs(b, h, n, d)
+                launch = lambda: kernels.forward_kernel(t[0], "direct")(*t, None, causal, "direct", *outputs)  # noqa: E731
+                ms = min(do_bench(launch, return_mode="median") for _ in range(3))
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                    for _ in range(5):
+                        launch()
+                    torch.cuda.synchronize()
+                per_kernel = C.kernel_ms(prof, 5)
+                rows.append({"d": d, "n": n, "causal": causal, "what": "forward_kernel", "ms": ms,
+                             "tflops": C.attention_flops(b, h, n, n, d, causal) / ms * 1e-9,
+                             "per_kernel_ms": per_kernel})
+                print(f"D={d} N={n} causal={int(causal)}: forward_kernel {ms:.3f} ms; "
+                      + ", ".join(f"{name[:24]} {v:.3f}" for name, v in per_kernel.items()), flush=True)
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--skip", nargs="*", default=[], help="accuracy e2e timing")
+    ap.add_argument("--kernel-only", action="store_true", help="only time what the fwd op runs")
+    ap.add_argument("--ns", type=int, nargs="+", default=[4096, 16384], help="with --kernel-only")
+    ap.add_argument("--ds", type=int, nargs="+", default=[128, 64], help="with --kernel-only")
     ap.add_argument("--out-dir", default=C.RESULTS)
     args = ap.parse_args()
+    if args.kernel_only:
+        os.makedirs(args.out_dir, exist_ok=True)
+        with open(os.path.join(args.out_dir, "explore_forward_kernels.json"), "w") as f:
+            json.dump({"env": C.environment(), "timings": run_kernel_only(args.ns, args.ds)}, f, indent=1)
+        return
     results = {"env": C.environment()}
     print(results["env"], flush=True)
     results["reference_on_cuda"] = run_reference_on_cuda()
