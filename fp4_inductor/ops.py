@@ -32,14 +32,20 @@ def bnhd_empty(like: torch.Tensor, heads: int, rows: int, dim: int, dtype: torch
     return torch.empty(like.shape[0], rows, heads, dim, dtype=dtype, device=like.device).transpose(1, 2)
 
 
-def grad_empty(like: torch.Tensor, heads: int, rows: int, dim: int, dtype: torch.dtype, contiguous: bool):
-    """A gradient buffer ``[B, H, N, D]``: contiguous where its input was (a leaf, say,
-    whose ``.grad`` autograd would otherwise re-lay out, a strided copy a step), else in
-    ``bnhd_empty``'s layout (what a projection's ``view(B, N, H, D).transpose(1, 2)`` gives
-    and its backward reads without a copy)."""
-    if contiguous:
-        return torch.empty(like.shape[0], heads, rows, dim, dtype=dtype, device=like.device)
-    return bnhd_empty(like, heads, rows, dim, dtype)
+def grads_empty(q: torch.Tensor, k: torch.Tensor, dtype: torch.dtype, contiguous: bool):
+    """dQ, dK and dV buffers ``[B, H, N, D]`` shaped like ``q``, ``k`` and ``k``:
+    contiguous where the inputs were (leaves, say, whose ``.grad`` autograd would otherwise
+    re-lay out, a strided copy a step), else in ``bnhd_empty``'s layout (what a
+    projection's ``view(B, N, H, D).transpose(1, 2)`` gives and its backward reads without
+    a copy)."""
+
+    def empty(like):
+        b, h, n, d = like.shape
+        if contiguous:
+            return torch.empty(b, h, n, d, dtype=dtype, device=like.device)
+        return bnhd_empty(like, h, n, d, dtype)
+
+    return empty(q), empty(k), empty(k)
 
 
 def bnhd_like(x: torch.Tensor) -> torch.Tensor:
@@ -152,13 +158,10 @@ def attention_bwd(
     grads_contiguous: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients from the forward's saved operands; see ``reference.attention_backward``.
-    dQ is w.r.t. Q times the softmax scale.  All three are stored as ``grad_empty`` lays
+    dQ is w.r.t. Q times the softmax scale.  All three are stored as ``grads_empty`` lays
     them out: contiguous with ``grads_contiguous`` (the attention's inputs were), else
     ``[B, N, H, D]``.  The kernels take any strides."""
-    h, hkv, d = q.shape[1], k.shape[1], q.shape[-1]
-    dq = grad_empty(q, h, q.shape[2], d, out_dtype, grads_contiguous)
-    dk = grad_empty(k, hkv, k.shape[2], d, out_dtype, grads_contiguous)
-    dv = grad_empty(k, hkv, k.shape[2], d, out_dtype, grads_contiguous)
+    dq, dk, dv = grads_empty(q, k, out_dtype, grads_contiguous)
     kernel = backward_kernel(q, p_mode)
     if kernel is not None:
         try:
@@ -179,12 +182,7 @@ def attention_bwd(
 @attention_bwd.register_fake
 def _(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale, qe, qe_scale, ke, ke_scale, bias, row_ref, causal, p_mode, out_dtype,
       grads_contiguous=False):
-    h, hkv, d = q.shape[1], k.shape[1], q.shape[-1]
-    return (
-        grad_empty(q, h, q.shape[2], d, out_dtype, grads_contiguous),
-        grad_empty(k, hkv, k.shape[2], d, out_dtype, grads_contiguous),
-        grad_empty(k, hkv, k.shape[2], d, out_dtype, grads_contiguous),
-    )
+    return grads_empty(q, k, out_dtype, grads_contiguous)
 
 
 def quantized_forward(q, k, v, bias, sm_scale, causal, fmt, p_mode):
