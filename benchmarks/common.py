@@ -57,6 +57,15 @@ def kernel_ms(prof, calls: int) -> dict:
     return per_kernel
 
 
+def kernel_times(fn, calls: int = 5) -> dict:
+    """Device ms per call of each kernel ``fn`` launches, from the profiler."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return kernel_ms(prof, calls)
+
+
 def environment() -> dict:
     try:
         import triton

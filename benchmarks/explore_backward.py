@@ -40,22 +40,13 @@ CONFIGS = [{"dkdv": (8, 1), "dq": (8, 1)}, {"dkdv": (16, 1), "dq": (16, 1)}, {"d
            {"dkdv": (8, 2), "dq": (8, 2)}]
 
 
-def kernel_times(fn, calls=5):
-    """Device ms per call of each kernel ``fn`` launches, from the profiler."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    return C.kernel_ms(prof, calls)
-
-
 def profile_step(b, h, n, d):
     q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     dout = torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16)
     step = lambda: lowp_attention(q, k, v, is_causal=True).backward(dout)  # noqa: E731
     step()
     torch.cuda.synchronize()
-    rows = sorted(kernel_times(step, calls=1).items(), key=lambda kv: -kv[1])
+    rows = sorted(C.kernel_times(step, calls=1).items(), key=lambda kv: -kv[1])
     return [{"kernel": name[:90], "us": round(ms * 1e3, 1)} for name, ms in rows]
 
 
@@ -97,7 +88,7 @@ def main():
             flops = 2.5 * C.attention_flops(b, h, n, n, d, True)
             if args.kernel_only:
                 ms = min(do_bench(launch, return_mode="median") for _ in range(3))
-                per_kernel = kernel_times(launch)
+                per_kernel = C.kernel_times(launch)
                 result["timings"].append({"d": d, "n": n, "what": "backward_kernel", "ms": ms,
                                           "tflops": flops / ms * 1e-9, "per_kernel_ms": per_kernel})
                 print(f"D={d} N={n}: backward_kernel {ms:.3f} ms; "

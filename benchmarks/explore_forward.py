@@ -205,11 +205,7 @@ def run_kernel_only(ns, ds):
                 outputs = C.empty_outputs(b, h, n, d)
                 launch = lambda: kernels.forward_kernel(t[0], "direct")(*t, None, causal, "direct", *outputs)  # noqa: E731
                 ms = min(do_bench(launch, return_mode="median") for _ in range(3))
-                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-                    for _ in range(5):
-                        launch()
-                    torch.cuda.synchronize()
-                per_kernel = C.kernel_ms(prof, 5)
+                per_kernel = C.kernel_times(launch)
                 rows.append({"d": d, "n": n, "causal": causal, "what": "forward_kernel", "ms": ms,
                              "tflops": C.attention_flops(b, h, n, n, d, causal) / ms * 1e-9,
                              "per_kernel_ms": per_kernel})
