@@ -17,29 +17,30 @@ Writes benchmarks/results/quant_overhead_<device>.json.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import math
+import os
+import sys
 from pathlib import Path
-import contextlib
 from unittest import mock
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 from triton.testing import do_bench, do_bench_cudagraph
 
 import fp4_inductor
 from fp4_inductor import formats as F
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common as C  # noqa: E402
+
 BANDWIDTH = 4.26e12  # bytes/s, copy bandwidth measured on the H200
 
 
-def kernel_times(fn) -> dict[str, float]:
+def kernel_us(fn) -> dict[str, float]:
     """Device time per kernel name for one call, in microseconds: where the time goes."""
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return {e.key: round(e.device_time_total, 1) for e in prof.key_averages() if e.device_time_total > 0}
+    return {name: round(1e3 * ms, 1) for name, ms in C.kernel_times(fn, calls=1).items() if ms > 0}
 
 
 def rope(x, cos, sin):
@@ -79,7 +80,7 @@ def main() -> None:
     }
     for name, fn in variants.items():
         fn()
-        times = kernel_times(fn)
+        times = kernel_us(fn)
         results["kernels_us"][f"quantize {name}"] = times
         results["quantize_us"][f"{name} device"] = round(sum(times.values()), 1)
         results["quantize_us"][f"{name} graph replay"] = round(1e3 * do_bench_cudagraph(fn), 1)
@@ -105,7 +106,7 @@ def main() -> None:
                 for _ in range(3):
                     outputs[name] = fn(x).clone()
                 results["block_ms"][label] = round(do_bench(lambda: fn(x), return_mode="median"), 4)
-                results["kernels_us"][f"block {label}"] = kernel_times(lambda: fn(x))
+                results["kernels_us"][f"block {label}"] = kernel_us(lambda: fn(x))
         ref = outputs["inductor"].float().flatten()
         for name, out in outputs.items():
             cosines[f"{'rope ' if rotary else ''}{name}"] = torch.nn.functional.cosine_similarity(
