@@ -107,15 +107,20 @@ def attention_forward(
     return out.to(out_dtype), lse.squeeze(-1), m.squeeze(-1)
 
 
+def ds_blocks(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """``x`` [..., Nq, Nk] zero-padded and cut into ``block`` = (tm, tn) blocks from
+    element 0: [..., ceil(Nq / tm), ceil(Nk / tn), tm, tn]."""
+    tm, tn = block
+    nq, nk = x.shape[-2:]
+    x = torch.nn.functional.pad(x, (0, (-nk) % tn, 0, (-nq) % tm))
+    return x.unflatten(-1, (-1, tn)).unflatten(-3, (-1, tm)).transpose(-3, -2)
+
+
 def quantize_ds_blocks(ds: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     """dS rounded to E4M3 with one amax scale per ``block`` (``formats.DS_BLOCK_DQ`` or
     ``DS_BLOCK_DK``) from element 0, returned dequantized."""
-    tm, tn = block
     nq, nk = ds.shape[-2:]
-    pm, pn = (-nq) % tm, (-nk) % tn
-    x = torch.nn.functional.pad(ds, (0, pn, 0, pm))
-    x = x.unflatten(-1, (-1, tn)).unflatten(-3, (-1, tm)).transpose(-3, -2)
-    codes, scale = F.quantize_ds(x)
+    codes, scale = F.quantize_ds(ds_blocks(ds, block))
     deq = (codes * scale).transpose(-3, -2).flatten(-4, -3).flatten(-2)
     return deq[..., :nq, :nk]
 

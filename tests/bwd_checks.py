@@ -86,17 +86,9 @@ def rel_l2(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
-def _blocks(x, block):
-    """[..., Nq, Nk] -> [..., bq, bk, tm, tn] zero-padded dS scale blocks."""
-    tm, tn = block
-    nq, nk = x.shape[-2:]
-    x = torch.nn.functional.pad(x, (0, (-nk) % tn, 0, (-nq) % tm))
-    return x.unflatten(-1, (-1, tn)).unflatten(-3, (-1, tm)).transpose(-3, -2)
-
-
 def _block_amax(x, block):
     """Each element's ``block`` amax of |x|, shaped like x."""
-    a = _blocks(x.abs(), block).amax(dim=(-2, -1))
+    a = R.ds_blocks(x.abs(), block).amax(dim=(-2, -1))
     return a.repeat_interleave(block[0], -2).repeat_interleave(block[1], -1)[..., :x.shape[-2], :x.shape[-1]]
 
 
@@ -107,7 +99,7 @@ def _e4m3(x):
 def _check_ds_codes(ds_kernel, ds_unrounded, noise, block):
     """Rule 2 for dS dequantized over ``block`` scales.  ``noise``: elementwise bound on
     |kernel dS - reference dS| before rounding."""
-    t_k, t_u, t_n = (_blocks(t, block) for t in (ds_kernel, ds_unrounded, noise))
+    t_k, t_u, t_n = (R.ds_blocks(t, block) for t in (ds_kernel, ds_unrounded, noise))
     a_u, a_k = (t.abs().amax(dim=(-2, -1), keepdim=True) for t in (t_u, t_k))
     s_u, s_k = F.ds_scale(a_u), F.ds_scale(a_k)
     # The amax code is 448 but in blocks whose scale is floored (their amax is rounded too).
