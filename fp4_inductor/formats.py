@@ -253,21 +253,26 @@ def direct_p_codes(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
 
     The E4M3 bit pattern read as an integer is 8 log2(value) + 56 at every power of two
     and linear in between, so ``8 (x - m) + 120`` is the code of ``2 ** (x - m + 8)``
-    up to the piecewise-linear error (at most +6.1 %, one-sided).  ``x * 8`` is exact,
-    so one rounding happens, the same with or without FMA contraction.
+    up to the piecewise-linear error (at most +6.1 %, one-sided).  One float32 rounding
+    of ``8 x + 120 - 8 m``: the sum is formed in float64, where it is exact for the
+    scores' range (``x``: float32, or ``reference.log2_scores``'s exact float64 product,
+    which the kernels' FFMA takes unrounded), then rounded once.
     """
-    t = x * 8.0 + (FP8_P_CODE_AT_MAX - 8.0 * m)
+    t = (x.double() * 8.0 + (FP8_P_CODE_AT_MAX - 8.0 * m.double())).float()
     return torch.round(t.clamp(0.0, FP8_P_MAX_CODE))
 
 
 def probability_operand(x: torch.Tensor, m: torch.Tensor, p_mode: str) -> torch.Tensor:
     """The float32 value of the E4M3 P operand fed to the P.V product.
 
-    ``x``: ``[..., rows, keys]`` log2 scores of one key tile (-inf where masked);
-    ``m``: ``[..., rows, 1]`` integer row reference with ``m >= max(x)``.
+    ``x``: ``[..., rows, keys]`` log2 scores of one key tile (-inf where masked), float32
+    or ``reference.log2_scores``'s float64 (Direct-P rounds it once, the other modes round
+    it to float32 first); ``m``: ``[..., rows, 1]`` integer row reference with
+    ``m >= max(x)``.
     """
     if p_mode == "direct":
         return e4m3_value(direct_p_codes(x, m))
+    x = x.float()
     if p_mode == "exp":
         return torch.exp2(x - m + 8.0).to(E4M3).float()
     if p_mode == "fp4":

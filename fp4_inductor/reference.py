@@ -42,7 +42,10 @@ def log2_scores(
     queries: slice = slice(None),
 ) -> torch.Tensor:
     """``x = (q8 . k8) * (q_scale * log2e * k_scale) + bias`` for one key range (and
-    query range), -inf above the diagonal when causal (top-left aligned, as SDPA's)."""
+    query range), -inf above the diagonal when causal (top-left aligned, as SDPA's).
+    float64: without a bias the exact product, which Direct-P's codes round once (the
+    kernels fold the product into their FFMA); its other uses round it to float32 first
+    (``x.float()``, the kernels' ``mul.rn``).  With a bias, the float32 FMA."""
     nq, nk = q8.shape[-2], k8.shape[-2]
     # INT8 products summed exactly: float64 holds every partial sum (|acc| < 2**24 for
     # D <= 1024, so the float32 value is exact too), and unlike int64 it runs on CUDA.
@@ -52,10 +55,10 @@ def log2_scores(
     col = _heads(F.expand_block_scale(k_scale, nk)[..., keys], q8.shape[1])
     t = row[..., :, None] * col[..., None, :]
     if bias is None:
-        x = acc * t
+        x = acc.double() * t.double()  # exact: a 22-bit integer times a float32
     else:
         b = bias.expand(*q8.shape[:2], nq, nk)[..., queries, keys]
-        x = _fma(acc, t, b)
+        x = _fma(acc, t, b).double()
     if causal:
         rows = torch.arange(nq, device=x.device)[queries][:, None]
         cols = torch.arange(nk, device=x.device)[keys][None, :]
@@ -95,7 +98,7 @@ def attention_forward(
     for start in range(0, nk, F.KEY_TILE):
         keys = slice(start, min(start + F.KEY_TILE, nk))
         x = log2_scores(q8, k8, q_scale, k_scale, bias, causal, keys)
-        m_new = torch.maximum(m, torch.ceil(x.amax(dim=-1, keepdim=True)))
+        m_new = torch.maximum(m, torch.ceil(x.float().amax(dim=-1, keepdim=True)))
         # Rows with every key so far masked keep reference -inf and contribute nothing.
         alpha = torch.where(m_new == m, 1.0, torch.exp2(m - m_new))
         p = _probability(x, m_new, p_mode)

@@ -53,7 +53,15 @@ def launcher():
 
 def operands(b, h, hkv, nq, nk, d, p_mode, causal, bias_kind=None):
     """Backward operands on the CPU, produced as attention.py produces them."""
-    (q8, k8, vt, qs, ks, vs), bias = quantized_operands(b, h, hkv, nq, nk, d, p_mode, bias_kind)
+    quantized, bias = quantized_operands(b, h, hkv, nq, nk, d, p_mode, bias_kind)
+    return operands_of(quantized, bias, causal, p_mode)
+
+
+def operands_of(quantized, bias, causal, p_mode):
+    """Backward operands from the forward's quantized ones (q8, k8, vt, qs, ks, vs), on
+    the CPU, with a random dO."""
+    q8, k8, vt, qs, ks, vs = quantized
+    b, h, nq, d = q8.shape
     dout = torch.randn(b, h, nq, d)
     out, lse, row_ref = R.attention_forward(q8, k8, vt, qs, ks, vs, bias, causal, p_mode, torch.float32)
     do8, dos = F.quantize_do(dout, lse, row_ref, p_mode)

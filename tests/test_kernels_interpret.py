@@ -90,6 +90,52 @@ def test_token_major_copies_are_exact(fresh_seed):
     _interpreted(TRANSPOSE_SCRIPT.format(seed=fresh_seed))
 
 
+FOLD_SCRIPT = """
+import torch
+from bwd_checks import check, operands_of, run
+from fp4_inductor import formats as F, reference as R
+torch.manual_seed({seed})
+# Rows whose codes tell the two roundings apart: one nonzero channel, so a row's scores
+# are a * b for the 255 keys b = -127..127, and t = q_scale * log2e (K's scale 1).
+keys = torch.arange(-127, 128, dtype=torch.float32)
+qs_found, a_found = [], []
+while len(qs_found) < 64:
+    qs = torch.rand(20000) * 0.05 + 0.001
+    a = torch.randint(1, 128, (20000,)).float()
+    s = a[:, None] * keys[None, :]
+    t = qs * F.LOG2E
+    m = torch.ceil((s * t[:, None]).amax(1, keepdim=True))
+    folded = F.direct_p_codes(s.double() * t.double()[:, None], m)
+    rounded = F.direct_p_codes(s * t[:, None], m)
+    rows = (folded != rounded).any(1)
+    qs_found += qs[rows].tolist()
+    a_found += a[rows].tolist()
+nq, nk, d = 64, keys.numel(), 64
+q8 = torch.zeros(1, 1, nq, d, dtype=torch.int8)
+q8[..., 0] = torch.tensor(a_found[:nq]).to(torch.int8)
+k8 = torch.zeros(1, 1, nk, d, dtype=torch.int8)
+k8[..., 0] = keys.to(torch.int8)
+qs = torch.tensor(qs_found[:nq]).view(1, 1, nq)
+ks = torch.ones(1, 1, (nk + 127) // 128)
+vt = (torch.randn(1, 1, d, nk) * 100).to(F.E4M3)
+ops = operands_of((q8, k8, vt, qs, ks, torch.ones(1, 1)), None, False, "direct")
+grads, dumps = run(ops, False, "direct", device="cpu")
+check(ops, False, "direct", grads, dumps)  # P codes bit for bit, among the rest
+x = R.log2_scores(q8, k8, qs, ks, None, False, slice(0, nk))
+row_ref = ops[-1][..., None]
+assert torch.equal(dumps[0], R._probability(x, row_ref, "direct"))
+assert not torch.equal(dumps[0], R._probability(x.float(), row_ref, "direct"))
+"""
+
+
+def test_direct_p_takes_the_unrounded_product(fresh_seed):
+    """Direct-P's FMA takes s * t unrounded (``reference.log2_scores``): on rows built so
+    that rounding the product first changes codes, the Triton backward kernels' P (and the
+    rest of the GPU tests' rules) match the reference, and would not with a rounded
+    product."""
+    _interpreted(FOLD_SCRIPT.format(seed=fresh_seed))
+
+
 def test_gluon_direct_p_bias_is_plain_arithmetic_on_torch_tensors(fresh_seed):
     """The Gluon dK/dV launcher evaluates the kernels' Direct-P bias on torch tensors
     (``_direct_p_bias.fn``), once per query: it must stay plain arithmetic and give

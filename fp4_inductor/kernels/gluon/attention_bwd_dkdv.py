@@ -47,7 +47,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ... import formats as F
 from .attention_bwd_dq import _ds_operand, _issue_s_dp, _rows, _tma_ready, _token_major_desc
-from .attention_fwd import (_LAUNCH, _REGS, _compile_sm90, _direct_p, _direct_p_bias, _layout, _mul_rn,
+from .attention_fwd import (_LAUNCH, _REGS, _compile_sm90, _direct_p, _direct_p_bias, _layout,
                             _ping_pong_barriers, _tensor_desc, _wgmma_layout)
 
 BLOCK_N = F.KEY_TILE  # keys per program: one K scale block
@@ -64,14 +64,14 @@ def _p_tile(start_m, s, keys, vecs, NQ, NK, ks, BM: gl.constexpr, CAUSAL: gl.con
     queries past NQ and (causal) keys after the query masked; else the tile is known whole."""
     col_layout: gl.constexpr = gl.SliceLayout(0, s.type.layout)
     t = vecs[0].load(col_layout) * ks  # rounded as the reference's row * col
-    x = _mul_rn(s.to(gl.float32), t[None, :])
+    x = s.to(gl.float32)  # Direct-P folds t into its FFMA
     if MASKED:  # (columns past NQ hold zeros)
         cols = start_m + gl.arange(0, BM, col_layout)
         live = (keys < NK)[:, None] & (cols < NQ)[None, :]
         if CAUSAL:
             live = live & (keys[:, None] <= cols[None, :])
         x = gl.where(live, x, float("-inf"))
-    return _direct_p(x, vecs[1].load(col_layout)[None, :])
+    return _direct_p(x, (t * 0.03125)[None, :], vecs[1].load(col_layout)[None, :])
 
 
 @gluon.jit

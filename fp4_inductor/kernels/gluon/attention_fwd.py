@@ -94,14 +94,15 @@ def _e4m3(v):
 
 
 @gluon.jit
-def _probability(x, m, EXP: gl.constexpr):
-    """The E4M3 P operand of one tile, as the Triton kernel's _probability, against the
-    row references ``m`` broadcast to x's shape ([rows, 1], or [1, cols] for a
-    transposed tile).  Direct-P: ``_direct_p`` with the bias of m; exp: exp2(x - m + 8)
-    converted by the cvt instruction."""
+def _probability(x, t, m, EXP: gl.constexpr):
+    """The E4M3 P operand of one tile, as the Triton kernel's _probability, from
+    ``_scores``'s x and t, against the row references ``m``; t and m broadcast to x's
+    shape ([rows, 1], or [1, cols] for a transposed tile).  Direct-P: ``_direct_p`` of the
+    integer scores with the bias of m; exp: exp2(x - m + 8) of the log2 scores, converted
+    by the cvt instruction."""
     if EXP:
         return _e4m3(gl.exp2(x - m + 8.0)).to(gl.float8e4nv, bitcast=True)
-    return _direct_p(x, _direct_p_bias(m))
+    return _direct_p(x, t * 0.03125, _direct_p_bias(m))
 
 
 @gluon.jit
@@ -113,10 +114,12 @@ def _direct_p_bias(m):
 
 
 @gluon.jit
-def _direct_p(x, bias):
-    """Direct-P's E4M3 codes from log2 scores x and a row's ``_direct_p_bias``:
-    z = sat(x / 32 + bias), and z + 2**15 leaves rne(256 z) in the low byte."""
-    z = _fma_sat(x, 0.03125, bias)
+def _direct_p(s, t32, bias):
+    """Direct-P's E4M3 codes from the integer scores s (float32, -inf where masked), the
+    log2 scale over 32, t32 = t / 32, and a row's ``_direct_p_bias``:
+    z = sat(s * t32 + bias) in one FFMA, the product entering it unrounded
+    (reference.log2_scores), and z + 2**15 leaves rne(256 z) in the low byte."""
+    z = _fma_sat(s, t32, bias)
     return (z + 32768.0).to(gl.int32, bitcast=True).to(gl.uint8).to(gl.float8e4nv, bitcast=True)
 
 
@@ -139,18 +142,33 @@ def _p_operand(p, p_layout: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr):
 
 
 @gluon.jit
-def _scores(s, row_t, ks_ptr, j, rows, NK, BN: gl.constexpr, CAUSAL: gl.constexpr, MASKED: gl.constexpr):
-    """log2 scores of tile j from its int32 products; MASKED: keys past NK and (causal)
-    keys after the row at -inf."""
+def _scores(s, row_t, ks_ptr, j, rows, NK, BN: gl.constexpr, CAUSAL: gl.constexpr, MASKED: gl.constexpr,
+            EXP: gl.constexpr):
+    """Tile j's scores from its int32 products and the rows' log2 scale t: x, the log2
+    scores (EXP, rounded on their own as the reference's), or the integer scores as
+    float32 (Direct-P folds t into its FFMA); MASKED: keys past NK and (causal) keys after
+    the row at -inf.  Returns (x, t)."""
     t = row_t * gl.load(ks_ptr + j)
-    x = _mul_rn(s.to(gl.float32), t[:, None])
+    x = s.to(gl.float32)
+    if EXP:
+        x = _mul_rn(x, t[:, None])
     if MASKED:
         keys = j * BN + _key_order(BN, gl.SliceLayout(0, s.type.layout))
         ok = (keys < NK)[None, :]
         if CAUSAL:
             ok = ok & (keys[None, :] <= rows[:, None])
         x = gl.where(ok, x, float("-inf"))
-    return x
+    return x, t
+
+
+@gluon.jit
+def _row_max(x, t, EXP: gl.constexpr):
+    """The rows' largest log2 score from ``_scores``: for integer scores the rounded product
+    of the largest one (rounding is monotonic and t > 0), rows all -inf staying -inf."""
+    x_max = gl.reduce(x, 1, _max_nan)
+    if not EXP:
+        x_max = gl.where(x_max == float("-inf"), x_max, _mul_rn(x_max, t))
+    return x_max
 
 
 @gluon.jit
@@ -185,10 +203,10 @@ def _step(j, state, q, s_zero, row_t, rows, ks_ptr, NK, smem, bars,
     mbarrier.arrive(turn.index(1 - WG))
     s = warpgroup_mma_wait(2, deps=(s,))
     mbarrier.arrive(k_empty.index(stage))
-    x = _scores(s, row_t, ks_ptr, j, rows, NK, BN, CAUSAL, MASKED)
-    m_new = gl.maximum(m_i, gl.ceil(gl.reduce(x, 1, _max_nan)), propagate_nan=tl.PropagateNan.ALL)
+    x, t = _scores(s, row_t, ks_ptr, j, rows, NK, BN, CAUSAL, MASKED, EXP)
+    m_new = gl.maximum(m_i, gl.ceil(_row_max(x, t, EXP)), propagate_nan=tl.PropagateNan.ALL)
     alpha_new = gl.where(m_new == m_i, 1.0, gl.exp2(m_i - m_new))
-    p = _probability(x, m_new[:, None], EXP)
+    p = _probability(x, t[:, None], m_new[:, None], EXP)
     part, l_part = warpgroup_mma_wait(0, deps=(part, l_part))
     mbarrier.arrive(v_empty.index(prev))
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None] + part
@@ -226,11 +244,11 @@ def _consumer(qs_ptr, ks_ptr, vs_ptr, out_ptr, lse_ptr, ref_ptr, smem, bars, out
     mbarrier.arrive(turn.index(1 - WG))
     s = warpgroup_mma_wait(0, deps=(s,))
     mbarrier.arrive(k_empty.index(0))
-    x = _scores(s, row_t, ks_ptr, 0, rows, NK, BN, CAUSAL, True)
-    m_i = gl.ceil(gl.reduce(x, 1, _max_nan))
+    x, t = _scores(s, row_t, ks_ptr, 0, rows, NK, BN, CAUSAL, True, EXP)
+    m_i = gl.ceil(_row_max(x, t, EXP))
     state = (gl.zeros([BM, HEAD_DIM], gl.float32, o_layout), gl.zeros([BM, HEAD_DIM], gl.float32, o_layout),
              gl.zeros([BM, ONES_N], gl.float32, l_layout), gl.zeros([BM, ONES_N], gl.float32, l_layout),
-             m_i, _probability(x, m_i[:, None], EXP), gl.full([BM], 1.0, gl.float32, row_s))
+             m_i, _probability(x, t[:, None], m_i[:, None], EXP), gl.full([BM], 1.0, gl.float32, row_s))
     for j in range(1, n_full):
         state = _step(j, state, q, s_zero, row_t, rows, ks_ptr, NK, smem, bars, WG, HEAD_DIM, BM, BN, STAGES,
                       CAUSAL, EXP, False)

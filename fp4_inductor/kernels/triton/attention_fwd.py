@@ -57,15 +57,18 @@ def _row_sum_of_codes(code):
 
 
 @triton.jit
-def _probability(x, m_new, P_MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """E4M3 P operand of one key tile and its row sum (of the same E4M3 values)."""
+def _probability(x, x_scale, m_new, P_MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """E4M3 P operand of one key tile and its row sum (of the same E4M3 values).  The log2
+    scores are x * x_scale * 32: Direct-P takes x = s, the integer scores, with
+    x_scale = t / 32 (the product folded into its FFMA, unrounded), or the log2 scores
+    with x_scale = 1 / 32; the other modes take the log2 scores (x_scale unused)."""
     if P_MODE == 0:
         # Direct-P: code = rne(clamp(8 x + 120 - 8 m, 0, 126)).  Computed as
         # z = sat(x / 32 + (120 - 8 m) / 256) = fl(8 x + 120 - 8 m) / 256 (power-of-two
         # scaling commutes with rounding), the clamp being the FFMA's saturation (x <= m
         # keeps z <= 120 / 256, so only 0 can bind).  z + 2**15 rounds z * 256 to the
         # nearest integer, ties to even, into the low mantissa byte: the code.
-        z = _fma_sat(x, 0.03125, ((120.0 - 8.0 * m_new) * 0.00390625)[:, None])
+        z = _fma_sat(x, x_scale, ((120.0 - 8.0 * m_new) * 0.00390625)[:, None])
         bits = (z + 32768.0).to(tl.int32, bitcast=True)
         p = bits.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
         l_tile = _row_sum_of_codes(bits)  # the shift drops the magic's exponent bits
@@ -165,32 +168,44 @@ def _update(
         s = (s + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0  # exact int32 -> f32
     t = row_t * tl.load(ks_ptr + start_n // BLOCK_N)
     key_ok = (start_n + offs_key) < NK
-    if BIAS_MODE == 0:
-        # mul_rn: x is rounded on its own, as in the reference; a plain multiply may be
-        # contracted with the next subtraction (x - m) into one FMA.
-        x = tl.extra.cuda.libdevice.mul_rn(s, t[:, None])
-    else:
-        if BIAS_MODE == 1:  # the same bias row for every query (key padding)
-            if MASKED:
-                bias = tl.load(b_ptrs + start_n * stride_bn, mask=key_ok, other=0.0)[None, :]
-            else:
-                bias = tl.load(b_ptrs + start_n * stride_bn)[None, :]
-        else:
-            if MASKED:
-                bias = tl.load(b_ptrs + start_n * stride_bn, mask=key_ok[None, :], other=0.0)
-            else:
-                bias = tl.load(b_ptrs + start_n * stride_bn)
-        x = tl.fma(s, t[:, None], bias)  # one rounding, as the reference's FMA
     if MASKED:
         ok = key_ok[None, :]
         if CAUSAL:
             ok = ok & ((start_n + offs_key)[None, :] <= offs_m[:, None])
-        x = tl.where(ok, x, float("-inf"))
-    m_new = tl.maximum(m_i, tl.math.ceil(tl.reduce(x, 1, max_propagate_nan)),
-                       propagate_nan=tl.PropagateNan.ALL)
+    if P_MODE == 0 and BIAS_MODE == 0:
+        # Direct-P without a bias never forms x = s t: its FFMA takes the product
+        # unrounded (reference.log2_scores), and the row maximum of x is the rounded
+        # product of the row's largest score (rounding is monotonic, t > 0).
+        if MASKED:
+            s = tl.where(ok, s, float("-inf"))
+        s_max = tl.reduce(s, 1, max_propagate_nan)
+        x_max = tl.where(s_max == float("-inf"), s_max, tl.extra.cuda.libdevice.mul_rn(s_max, t))
+        x, x_scale = s, (t * 0.03125)[:, None]
+    else:
+        if BIAS_MODE == 0:
+            # mul_rn: x is rounded on its own, as in the reference; a plain multiply may be
+            # contracted with the next subtraction (x - m) into one FMA.
+            x = tl.extra.cuda.libdevice.mul_rn(s, t[:, None])
+        else:
+            if BIAS_MODE == 1:  # the same bias row for every query (key padding)
+                if MASKED:
+                    bias = tl.load(b_ptrs + start_n * stride_bn, mask=key_ok, other=0.0)[None, :]
+                else:
+                    bias = tl.load(b_ptrs + start_n * stride_bn)[None, :]
+            else:
+                if MASKED:
+                    bias = tl.load(b_ptrs + start_n * stride_bn, mask=key_ok[None, :], other=0.0)
+                else:
+                    bias = tl.load(b_ptrs + start_n * stride_bn)
+            x = tl.fma(s, t[:, None], bias)  # one rounding, as the reference's FMA
+        if MASKED:
+            x = tl.where(ok, x, float("-inf"))
+        x_max = tl.reduce(x, 1, max_propagate_nan)
+        x_scale = 0.03125
+    m_new = tl.maximum(m_i, tl.math.ceil(x_max), propagate_nan=tl.PropagateNan.ALL)
     # Rows still fully masked keep m = -inf and alpha = 1; NaN rows stay NaN.
     alpha = tl.where(m_new == m_i, 1.0, tl.math.exp2(m_i - m_new))
-    p, l_tile = _probability(x, m_new, P_MODE, BLOCK_M, BLOCK_N)
+    p, l_tile = _probability(x, x_scale, m_new, P_MODE, BLOCK_M, BLOCK_N)
     if PERM_P:
         p = _unpermute_p(p, BLOCK_M, BLOCK_N)
     l_i = l_i * alpha + l_tile
