@@ -63,15 +63,17 @@ def _p_tile(start_m, s, keys, vecs, NQ, NK, ks, BM: gl.constexpr, CAUSAL: gl.con
     shared memory (``vecs``: q_scale·log2e, Direct-P bias, delta).  MASKED: keys past NK,
     queries past NQ and (causal) keys after the query masked; else the tile is known whole."""
     col_layout: gl.constexpr = gl.SliceLayout(0, s.type.layout)
-    t = vecs[0].load(col_layout) * ks  # rounded as the reference's row * col
-    x = s.to(gl.float32)  # Direct-P folds t into its FFMA
+    # t / 32 = rn(q_scale log2e * ks) / 32, the reference's row * col (a power of two
+    # commutes with the rounding): one multiply a column, folded into Direct-P's FFMA.
+    t32 = vecs[0].load(col_layout) * (ks * 0.03125)
+    x = s.to(gl.float32)
     if MASKED:  # (columns past NQ hold zeros)
         cols = start_m + gl.arange(0, BM, col_layout)
         live = (keys < NK)[:, None] & (cols < NQ)[None, :]
         if CAUSAL:
             live = live & (keys[:, None] <= cols[None, :])
         x = gl.where(live, x, float("-inf"))
-    return _direct_p(x, (t * 0.03125)[None, :], vecs[1].load(col_layout)[None, :])
+    return _direct_p(x, t32[None, :], vecs[1].load(col_layout)[None, :])
 
 
 @gluon.jit
