@@ -71,22 +71,31 @@ from fp4_inductor import formats as F
 from fp4_inductor.kernels.triton import attention_bwd as A
 torch.manual_seed({seed})
 # [B, H, N, D] views as the op hands them over: contiguous, [B, N, H, D] storage, and
-# token-major (unit stride along N); odd N; both 8-bit formats.
+# token-major (unit stride along N); odd N; both 8-bit formats; one batch size, as in a
+# backward call, with different heads, lengths and tile counts in the same launch.
 views = [(torch.randn(2, 3, 203, 64) * 4).to(F.E5M2),
          (torch.randn(2, 130, 2, 128) * 4).to(F.E4M3).transpose(1, 2),
-         (torch.randn(1, 2, 64, 77) * 4).to(F.E4M3).transpose(-1, -2)]
-for x in views:
-    t = A._token_major(x)
-    assert t.stride(-2) % 16 == 0, t.stride()
-    assert torch.equal(t.view(torch.uint8), x.transpose(-1, -2).view(torch.uint8))
-    back = A._transpose_into(t, t.new_empty(x.shape))
-    assert torch.equal(back.view(torch.uint8), x.view(torch.uint8))
+         (torch.randn(2, 1, 64, 77) * 4).to(F.E4M3).transpose(-1, -2)]
+for pairs in ([0], [2, 0], [0, 1, 2], [1, 2, 0, 1]):
+    xs = [views[i] for i in pairs]
+    ts = [A._token_major_empty(x) for x in xs]
+    for t in ts:
+        t.view(torch.uint8).fill_(0xAA)  # poison: every byte must be written
+    A._transpose_all(list(zip(xs, ts)))
+    for x, t in zip(xs, ts):
+        assert t.stride(-2) % 16 == 0, t.stride()
+        assert torch.equal(t.view(torch.uint8), x.transpose(-1, -2).view(torch.uint8))
+    backs = [t.new_empty(x.shape) for x, t in zip(xs, ts)]
+    A._transpose_all(list(zip(ts, backs)))
+    for x, back in zip(xs, backs):
+        assert torch.equal(back.view(torch.uint8), x.view(torch.uint8))
 """
 
 
 def test_token_major_copies_are_exact(fresh_seed):
-    """The launcher's tiled byte transposes (``_token_major``, V back to row-major) under
-    Triton's interpreter: bit-exact for every operand layout the op passes, odd lengths."""
+    """The launcher's tiled byte transposes (token-major operands, V back to row-major),
+    one to four in a launch, under Triton's interpreter: bit-exact for every operand layout
+    the op passes, odd lengths, copies of different sizes sharing the grid."""
     _interpreted(TRANSPOSE_SCRIPT.format(seed=fresh_seed))
 
 

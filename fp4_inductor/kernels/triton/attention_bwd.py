@@ -30,8 +30,8 @@ dV and dK, come straight from registers.  8-bit wgmma wants both shared-memory o
 K-major (contiguous along the contracted dimension), so the launcher gives the products
 contracted over tokens token-contiguous copies: dO^T and Qe^T ``[.., D, Nq]``,
 Ke^T ``[.., D, Nk]``, and V ``[.., Nk, D]`` (the saved V is stored ``[.., D, Nk]`` for the
-forward's P.V).  Each copy (a tiled Triton transpose) moves N * D bytes, small against
-the N^2 * D products.
+forward's P.V).  Each copy (a tiled transpose; the four share one launch) moves N * D
+bytes, small against the N^2 * D products.
 
 Numerics that are not bit for bit the reference's:
 - Hopper's FP8 tensor cores do not accumulate in full float32: measured on the H200,
@@ -377,39 +377,68 @@ def _emulate() -> bool:
 
 
 @triton.jit
-def _transpose_kernel(x, out, R, C, stride_xb, stride_xh, stride_xr, stride_xc, stride_ob, stride_oh, stride_oc, H,
-                      BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """out[b, h, c, r] = x[b, h, r, c], bytes: a tile read along C and written along R
-    (Triton stages it through shared memory).  64-bit offsets: a copy is cheap either way."""
-    col_tiles = tl.cdiv(C, BLOCK_C)
-    b, h = (tl.program_id(1) // H).to(tl.int64), (tl.program_id(1) % H).to(tl.int64)
-    rows = (tl.program_id(0) // col_tiles) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
-    cols = (tl.program_id(0) % col_tiles) * BLOCK_C + tl.arange(0, BLOCK_C).to(tl.int64)
-    ok = (rows < R)[:, None] & (cols < C)[None, :]
-    tile = tl.load(x + b * stride_xb + h * stride_xh + rows[:, None] * stride_xr + cols[None, :] * stride_xc, mask=ok)
-    tl.store(out + b * stride_ob + h * stride_oh + cols[None, :] * stride_oc + rows[:, None], tile, mask=ok)
+def _transpose_tile(x, out, B, H, R, C, stride_xb, stride_xh, stride_xr, stride_xc, stride_ob, stride_oh, stride_oc,
+                    BLOCK: tl.constexpr):
+    """out[b, h, c, r] = x[b, h, r, c] for this program's tile, if the copy has it: a tile
+    read along C and written along R (Triton stages it through shared memory).  64-bit
+    offsets: a copy is cheap either way."""
+    col_tiles = tl.cdiv(C, BLOCK)
+    if (tl.program_id(0) < tl.cdiv(R, BLOCK) * col_tiles) & (tl.program_id(1) < B * H):
+        b, h = (tl.program_id(1) // H).to(tl.int64), (tl.program_id(1) % H).to(tl.int64)
+        rows = (tl.program_id(0) // col_tiles) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+        cols = (tl.program_id(0) % col_tiles) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+        ok = (rows < R)[:, None] & (cols < C)[None, :]
+        tile = tl.load(x + b * stride_xb + h * stride_xh + rows[:, None] * stride_xr + cols[None, :] * stride_xc,
+                       mask=ok)
+        tl.store(out + b * stride_ob + h * stride_oh + cols[None, :] * stride_oc + rows[:, None], tile, mask=ok)
 
 
-def _transpose_into(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """``out`` [B, H, C, R] (unit last stride) = ``x`` [B, H, R, C] transposed, for 8-bit
-    tensors: a tiled copy, where ``copy_`` of a transposed byte tensor moves a byte a
-    thread (the launcher's four copies took ~0.4-0.8 ms per backward at 16k tokens and
-    H·D = 2048 on the H200)."""
-    b, h, r, c = x.shape
-    assert out.shape == (b, h, c, r) and out.stride(-1) == 1 and x.element_size() == out.element_size() == 1
-    x8, out8 = x.view(torch.uint8), out.view(torch.uint8)  # bytes: no float8 semantics in a copy
-    grid = (triton.cdiv(r, 64) * triton.cdiv(c, 64), b * h)  # tiles on the unbounded axis
-    _transpose_kernel[grid](x8, out8, r, c, *x8.stride(), out8.stride(0), out8.stride(1), out8.stride(2), h,
-                            BLOCK_R=64, BLOCK_C=64)
-    return out
+@triton.jit
+def _transpose_kernel(B,
+                      x0, o0, h0, r0, c0, sxb0, sxh0, sxr0, sxc0, sob0, soh0, soc0,
+                      x1, o1, h1, r1, c1, sxb1, sxh1, sxr1, sxc1, sob1, soh1, soc1,
+                      x2, o2, h2, r2, c2, sxb2, sxh2, sxr2, sxc2, sob2, soh2, soc2,
+                      x3, o3, h3, r3, c3, sxb3, sxh3, sxr3, sxc3, sob3, soh3, soc3,
+                      BLOCK: tl.constexpr):
+    """Up to four byte transposes in one launch, the copy chosen by the grid's third axis
+    (one launch instead of four: each costs tens of microseconds of host dispatch)."""
+    job = tl.program_id(2)
+    if job == 0:
+        _transpose_tile(x0, o0, B, h0, r0, c0, sxb0, sxh0, sxr0, sxc0, sob0, soh0, soc0, BLOCK)
+    elif job == 1:
+        _transpose_tile(x1, o1, B, h1, r1, c1, sxb1, sxh1, sxr1, sxc1, sob1, soh1, soc1, BLOCK)
+    elif job == 2:
+        _transpose_tile(x2, o2, B, h2, r2, c2, sxb2, sxh2, sxr2, sxc2, sob2, soh2, soc2, BLOCK)
+    else:
+        _transpose_tile(x3, o3, B, h3, r3, c3, sxb3, sxh3, sxr3, sxc3, sob3, soh3, soc3, BLOCK)
 
 
-def _token_major(x: torch.Tensor) -> torch.Tensor:
-    """``[B, H, N, D]`` -> a ``[B, H, D, N]`` view whose row stride is N rounded up to 16
-    elements: rows start 16-byte aligned for any N, and every length shares one compiled
-    specialisation."""
+def _transpose_all(pairs) -> None:
+    """For each (x, out) of up to four pairs of 8-bit tensors of one batch size:
+    ``out`` [B, H, C, R] (unit last stride) = ``x`` [B, H, R, C] transposed, in one launch.
+    A tiled copy, where ``copy_`` of a transposed byte tensor moves a byte a thread (the
+    launcher's four copies took ~0.4-0.8 ms per backward at 16k tokens and H·D = 2048 on
+    the H200)."""
+    assert 1 <= len(pairs) <= 4
+    args, tiles, heads = [], 1, 1
+    for x, out in pairs:
+        b, h, r, c = x.shape
+        assert out.shape == (b, h, c, r) and out.stride(-1) == 1 and x.element_size() == out.element_size() == 1
+        assert b == pairs[0][0].shape[0]
+        x8, out8 = x.view(torch.uint8), out.view(torch.uint8)  # bytes: no float8 semantics in a copy
+        args += [x8, out8, h, r, c, *x8.stride(), *out8.stride()[:3]]
+        tiles, heads = max(tiles, triton.cdiv(r, 64) * triton.cdiv(c, 64)), max(heads, b * h)
+    args += args[:12] * (4 - len(pairs))  # unused slots: never read (their grid index is past len(pairs))
+    # Tiles on the unbounded axis; programs past a copy's own tiles or heads do nothing.
+    _transpose_kernel[(tiles, heads, len(pairs))](pairs[0][0].shape[0], *args, BLOCK=64)
+
+
+def _token_major_empty(x: torch.Tensor) -> torch.Tensor:
+    """An empty ``[B, H, D, N]`` view for ``x`` ``[B, H, N, D]`` transposed, whose row stride
+    is N rounded up to 16 elements: rows start 16-byte aligned for any N, and every length
+    shares one compiled specialisation."""
     n = x.shape[-2]
-    return _transpose_into(x, x.new_empty(*x.shape[:-2], x.shape[-1], (n + 15) // 16 * 16)[..., :n])
+    return x.new_empty(*x.shape[:-2], x.shape[-1], (n + 15) // 16 * 16)[..., :n]
 
 
 def attention_backward(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale, qe, qe_scale, ke, ke_scale,
@@ -446,8 +475,9 @@ def attention_backward(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale
     do_scale, delta, q_scale, k_scale, v_scale, qe_scale, ke_scale, row_ref = (
         t.float() for t in (do_scale, delta, q_scale, k_scale, v_scale, qe_scale, ke_scale, row_ref))
     # Token-contiguous operands for the products contracted over tokens (module docstring).
-    do_t, qe_t, ke_t = _token_major(do), _token_major(qe), _token_major(ke)
-    v = _transpose_into(v_t, v_t.new_empty(b, hkv, nk, d))
+    do_t, qe_t, ke_t = (_token_major_empty(t) for t in (do, qe, ke))
+    v = v_t.new_empty(b, hkv, nk, d)
+    _transpose_all([(do, do_t), (qe, qe_t), (ke, ke_t), (v_t, v)])
 
     has_bias = bias is not None
     bias_arg, bias_strides = row_ref, (0, 0, 0, 0)  # never read without a bias
