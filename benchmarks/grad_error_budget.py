@@ -5,7 +5,7 @@ emulation: the kernels compute the same numbers).
 
 Gradients of ``lowp_attention`` (causal, Gaussian inputs) against float64 autograd of
 exact attention, rel-L2 of dQ, dK, dV, for variants of two format choices the issue
-leaves open: the dS scale blocks (``formats.DS_BLOCK_DQ`` and ``DS_BLOCK_DK``) and dO's format and scale
+leaves open: the dS scale blocks (``formats.DS_BLOCK_DQ`` and ``ds_block_dk``) and dO's format and scale
 granularity (``formats.quantize_do``).  Variants patch ``formats`` for the duration of a
 run; the shipped formats are the first row.  Writes grad_error_budget.json into
 --out-dir (default benchmarks/results).
@@ -51,7 +51,7 @@ def _scaled_do(dtype, fmax, rows):
 
 
 VARIANTS = {  # name: (dS scale blocks of the dQ and dK products, quantize_do); None: shipped
-    "shipped: dS per query x 128 keys (dQ), per key x 64 queries (dK), dO E5M2 per head": (None, None),
+    "shipped: dS per query x 128 keys (dQ), per key x 128 (D = 64) or 64 queries (dK), dO E5M2 per head": (None, None),
     "dS 64x128 (dQ) and 64x64 (dK) tiles": (((64, 128), (64, 64)), None),
     "dS 128x128": (((128, 128),) * 2, None),
     "dS 64x64": (((64, 64),) * 2, None),
@@ -69,14 +69,14 @@ VARIANTS = {  # name: (dS scale blocks of the dQ and dK products, quantize_do); 
 
 @contextlib.contextmanager
 def patched(ds_blocks, quantize_do):
-    saved = F.DS_BLOCK_DQ, F.DS_BLOCK_DK, F.quantize_do
+    saved = F.DS_BLOCK_DQ, F.ds_block_dk, F.quantize_do
     if ds_blocks:
-        F.DS_BLOCK_DQ, F.DS_BLOCK_DK = ds_blocks
+        F.DS_BLOCK_DQ, F.ds_block_dk = ds_blocks[0], lambda head_dim: ds_blocks[1]
     F.quantize_do = quantize_do or F.quantize_do
     try:
         yield
     finally:
-        F.DS_BLOCK_DQ, F.DS_BLOCK_DK, F.quantize_do = saved
+        F.DS_BLOCK_DQ, F.ds_block_dk, F.quantize_do = saved
 
 
 def gradients(fn, inputs, dout):

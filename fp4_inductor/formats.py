@@ -55,12 +55,18 @@ E2M1_BOUNDARIES = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 # dS is quantized with one amax scale per (queries, keys) block, a row factor of the
 # product that consumes it.  dQ = dS Ke and dK = dS^T Qe run in separate kernels, each
 # quantizing the dS it computes: for dQ one scale per query and 128-key tile, for dK one
-# per key and 64-query step.  A line's amax stays within the four threads that hold a row
-# of a wgmma tile, where a whole tile's crossed the warpgroup's four warps through shared
-# memory and two barriers a step; the gradient error is slightly lower than with whole
-# tiles (benchmarks/grad_error_budget.py).
+# per key and query step (``ds_block_dk``).  A line's amax stays within the four threads
+# that hold a row of a wgmma tile, where a whole tile's crossed the warpgroup's four warps
+# through shared memory and two barriers a step; the gradient error is slightly lower
+# than with whole tiles (benchmarks/grad_error_budget.py).
 DS_BLOCK_DQ = (1, 128)
-DS_BLOCK_DK = (64, 1)
+
+
+def ds_block_dk(head_dim: int) -> tuple[int, int]:
+    """dK's dS scale block: one key over the dK/dV kernel's query step, 128 queries at
+    D = 64 (a step's fixed work spread over twice the scores; the registers allow it) and
+    64 otherwise (at D = 128 a 128-query step spills)."""
+    return (128 if head_dim == 64 else 64, 1)
 
 
 def p_lift(p_mode: str) -> float:

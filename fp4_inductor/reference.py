@@ -121,7 +121,7 @@ def ds_blocks(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
 
 def quantize_ds_blocks(ds: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     """dS rounded to E4M3 with one amax scale per ``block`` (``formats.DS_BLOCK_DQ`` or
-    ``DS_BLOCK_DK``) from element 0, returned dequantized."""
+    ``ds_block_dk``) from element 0, returned dequantized."""
     nq, nk = ds.shape[-2:]
     codes, scale = F.quantize_ds(ds_blocks(ds, block))
     deq = (codes * scale).transpose(-3, -2).flatten(-4, -3).flatten(-2)
@@ -161,7 +161,8 @@ def attention_backward(
     r = row_ref.float()
     # Row blocks holding whole dQ and dK scale blocks: memory grows with N, not N**2, and the
     # blocks stay aligned at 0 as the kernels' are.
-    step = math.lcm(F.DS_BLOCK_DQ[0], F.DS_BLOCK_DK[0])
+    dk_block = F.ds_block_dk(q8.shape[-1])
+    step = math.lcm(F.DS_BLOCK_DQ[0], dk_block[0])
     dq, dk, dv = [], 0.0, 0.0
     for start in range(0, nq, step):
         rows = slice(start, min(start + step, nq))
@@ -169,7 +170,7 @@ def attention_backward(
         p = _probability(x, r[..., rows, None], p_mode)
         ds = p * (do[..., rows, :] @ v.transpose(-1, -2) - delta[..., rows, None])
         dq.append(quantize_ds_blocks(ds, F.DS_BLOCK_DQ) @ k)
-        dk = dk + quantize_ds_blocks(ds, F.DS_BLOCK_DK).transpose(-1, -2) @ q[..., rows, :]
+        dk = dk + quantize_ds_blocks(ds, dk_block).transpose(-1, -2) @ q[..., rows, :]
         dv = dv + p.transpose(-1, -2) @ do[..., rows, :]
     dq = torch.cat(dq, dim=-2)
     return dq.to(out_dtype), _group_sum(dk, hkv).to(out_dtype), _group_sum(dv, hkv).to(out_dtype)

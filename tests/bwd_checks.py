@@ -19,7 +19,7 @@ are set from those measurements; rule 1 stays exact because scores are INT8 prod
 1. P codes are bit-identical to the reference's (integer scores, same formula).  One
    flipped code fails.  "exp" P uses the GPU's exp2 (MUFU, ~2 ulp) against the CPU's, so
    a value on an E4M3 rounding boundary may flip: at most one code in 10^4, one step.
-2. dS codes of both kernels (over ``formats.DS_BLOCK_DQ`` and ``DS_BLOCK_DK`` blocks) equal
+2. dS codes of both kernels (over ``formats.DS_BLOCK_DQ`` and ``ds_block_dk`` blocks) equal
    the reference's wherever the reference's unrounded dS/scale is farther from an E4M3
    rounding midpoint than the dP accumulation error (bounded here by 1e-3 of
    sum |dO| |V|, ~8x the measured error); any other difference fails, so a single
@@ -152,9 +152,10 @@ def check(ops, causal, p_mode, grads, dumps):
     ds_unrounded = p_k * (dp - delta[..., None])
     noise = p_k * (1e-3 * (do.abs() @ v.abs().transpose(-1, -2)) + 1e-5 * delta.abs()[..., None])
     ds_dk_unrounded = p_k * (dp_k - delta[..., None])
-    ds_dk = R.quantize_ds_blocks(ds_dk_unrounded, F.DS_BLOCK_DK)
+    dk_block = F.ds_block_dk(q8.shape[-1])
+    ds_dk = R.quantize_ds_blocks(ds_dk_unrounded, dk_block)
     _check_ds_codes(ds_dq, ds_unrounded, noise, F.DS_BLOCK_DQ)
-    _check_ds_codes(ds_dk, ds_unrounded, noise, F.DS_BLOCK_DK)
+    _check_ds_codes(ds_dk, ds_unrounded, noise, dk_block)
 
     # 3. gradients = products of what the kernels multiplied
     kd = R._heads(F.dequantize_blockwise(ke, kes), h)
@@ -165,7 +166,7 @@ def check(ops, causal, p_mode, grads, dumps):
     # rounding away (dP's scaling and the subtraction of delta in one FMA).  Where dP - delta
     # cancels (one key, say) that ulp moves dS, and its block's amax scale with it.
     fused = p_k * dp_k.abs() * 2.0**-23
-    scale_moved = _block_amax(fused, F.DS_BLOCK_DK) / _block_amax(ds_dk_unrounded, F.DS_BLOCK_DK).clamp_min(1e-30)
+    scale_moved = _block_amax(fused, dk_block) / _block_amax(ds_dk_unrounded, dk_block).clamp_min(1e-30)
     ds_moved = fused + ds_dk.abs() * scale_moved
     carried = (torch.zeros(()), R._group_sum(ds_moved.transpose(-1, -2) @ qd.abs(), hkv), torch.zeros(()))
     for name, got, exp, c in zip("dq dk dv".split(), grads, expect, carried):

@@ -13,7 +13,8 @@ transposed tiles [keys, queries]:
   Sᵀ = K·Qᵀ (INT8, exact),  dPᵀ = V·dOᵀ (E4M3 × E5M2),
   Pᵀ = Direct-P codes against the forward's row references (one per query, a column),
   dSᵀ = Pᵀ ∘ (dPᵀ·do_scale·v_scale − delta) → E4M3 with one amax scale per key over the
-  step's 64 queries (``formats.DS_BLOCK_DK``: a reduction within a row's four threads),
+  step's queries (``formats.ds_block_dk``: 128 at D = 64, 64 at D = 128; a reduction
+  within a row's four threads),
   dV += (Pᵀ·dO)·do_scale and dK += (dSᵀ·Qe)·(ds_scale_key·qe_scale), each product summed in
   float32 as the Triton kernel does (same numbers).
 
@@ -52,8 +53,6 @@ from .attention_fwd import (_LAUNCH, _REGS, _compile_sm90, _direct_p, _direct_p_
 
 BLOCK_N = F.KEY_TILE  # keys per program: one K scale block
 BN_WG = BLOCK_N // 2  # keys per consumer warpgroup, each with its own dS scale
-BM = F.DS_BLOCK_DK[0]  # queries per step = the queries of one dS scale
-assert F.DS_BLOCK_DK[1] == 1 and F.SCALE_BLOCK % BM == 0
 NUM_STAGES = 2
 
 
@@ -246,17 +245,17 @@ def _dkdv_ws(k_desc, v_desc, q_desc, do_desc, dot_desc, qet_desc, row_desc, ks_p
 _CONSTEXPRS = dict(STAGES=NUM_STAGES, **_REGS)
 
 
-def _row_vectors(q_scale, row_ref, delta):
+def _row_vectors(q_scale, row_ref, delta, bm):
     """The per-query vectors of a transposed tile, q_scale·log2e (the reference's row), the
     row reference's Direct-P bias and delta, stacked [B, H, 3, Nq'] and read flat by TMA in
-    tiles of BM queries: a descriptor and Nq'.  Nq' rounds Nq up to BM with zeros, so each
+    tiles of ``bm`` queries: a descriptor and Nq'.  Nq' rounds Nq up to bm with zeros, so each
     tile starts 256-byte aligned and in bounds, and columns past Nq read zeros (finite, and
     masked).  The bias is computed here once per query, not per thread and step: a thread
     holds 16 columns of a [64, 64] tile, so in the kernel it cost 32 instructions a step."""
     rows = torch.stack((q_scale * F.LOG2E, _direct_p_bias.fn(row_ref), delta), dim=2)
-    if rows.shape[-1] % BM:
-        rows = torch.nn.functional.pad(rows, (0, -rows.shape[-1] % BM))
-    return TensorDescriptor(rows, [rows.numel()], [1], [BM], _layout([BM], gl.float32)), rows.shape[-1]
+    if rows.shape[-1] % bm:
+        rows = torch.nn.functional.pad(rows, (0, -rows.shape[-1] % bm))
+    return TensorDescriptor(rows, [rows.numel()], [1], [bm], _layout([bm], gl.float32)), rows.shape[-1]
 
 
 def supports(do, do_t, do_scale, delta, q, qe_t, qe_scale, k, v, q_scale, k_scale, v_scale, row_ref, causal, dk, dv,
@@ -275,7 +274,7 @@ def supports(do, do_t, do_scale, delta, q, qe_t, qe_scale, k, v, q_scale, k_scal
             and all(t.is_contiguous() for t in (qe_scale, k_scale, v_scale, do_scale))
             and all(t.shape == (b, h, nq) and t.dtype == torch.float32 for t in (q_scale, row_ref, delta))
             and dk.stride() == dv.stride() and all(st >= 0 for st in dk.stride())
-            and b * h * 3 * triton.cdiv(nq, BM) * BM < 2**31  # the row vectors' 32-bit TMA coordinates
+            and b * h * 3 * (nq + 127) < 2**31  # the row vectors' 32-bit TMA coordinates
             # dK/dV offsets within a batch are 32-bit (the batch's is 64)
             and sum((n - 1) * st for n, st in zip(dk.shape[1:], dk.stride()[1:])) < 2**31)
 
@@ -287,15 +286,16 @@ def dkdv_backward(do, do_t, do_scale, delta, q, qe_t, qe_scale, k, v, q_scale, k
     ``reference.attention_backward``, float32 scales and rows."""
     b, h, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
-    kv_block, q_block = [1, 1, BN_WG, d], [1, 1, BM, d]
+    bm = F.ds_block_dk(d)[0]  # queries per step = the queries of one dS scale
+    kv_block, q_block = [1, 1, BN_WG, d], [1, 1, bm, d]
     k_desc = TensorDescriptor.from_tensor(k, kv_block, _layout(kv_block, gl.int8))
     v_desc = TensorDescriptor.from_tensor(v, kv_block, _layout(kv_block, gl.float8e4nv))
     q_desc = TensorDescriptor.from_tensor(q, q_block, _layout(q_block, gl.int8))
     do_desc = TensorDescriptor.from_tensor(do, q_block, _layout(q_block, gl.float8e5))
-    row_desc, nq_pad = _row_vectors(q_scale, row_ref, delta)
+    row_desc, nq_pad = _row_vectors(q_scale, row_ref, delta, bm)
     _dkdv_ws[(triton.cdiv(nk, BLOCK_N), b * hkv)](
-        k_desc, v_desc, q_desc, do_desc, _token_major_desc(do_t, BM, gl.float8e5),
-        _token_major_desc(qe_t, BM, gl.float8e4nv), row_desc,
+        k_desc, v_desc, q_desc, do_desc, _token_major_desc(do_t, bm, gl.float8e5),
+        _token_major_desc(qe_t, bm, gl.float8e4nv), row_desc,
         k_scale, v_scale, do_scale, qe_scale, dk, dv,
         *dk.stride(), k_scale.stride(1), qe_scale.stride(1), h, hkv, nq, nk, nq_pad,
         HEAD_DIM=d, CAUSAL=bool(causal), **_CONSTEXPRS, **_LAUNCH)
@@ -303,13 +303,14 @@ def dkdv_backward(do, do_t, do_scale, delta, q, qe_t, qe_scale, k, v, q_scale, k
 
 def compile_for_sm90(d: int, causal: bool):
     """Compile without a GPU (Triton's bundled ptxas), for inspection: the compiled kernel."""
+    bm = F.ds_block_dk(d)[0]
     sig = {"k_desc": _tensor_desc("i8", [1, 1, BN_WG, d], gl.int8),
            "v_desc": _tensor_desc("fp8e4nv", [1, 1, BN_WG, d], gl.float8e4nv),
-           "q_desc": _tensor_desc("i8", [1, 1, BM, d], gl.int8),
-           "do_desc": _tensor_desc("fp8e5", [1, 1, BM, d], gl.float8e5),
-           "dot_desc": _tensor_desc("fp8e5", [1, d, BM], gl.float8e5),
-           "qet_desc": _tensor_desc("fp8e4nv", [1, d, BM], gl.float8e4nv),
-           "row_desc": _tensor_desc("fp32", [BM], gl.float32), "dk_ptr": "*bf16", "dv_ptr": "*bf16"}
+           "q_desc": _tensor_desc("i8", [1, 1, bm, d], gl.int8),
+           "do_desc": _tensor_desc("fp8e5", [1, 1, bm, d], gl.float8e5),
+           "dot_desc": _tensor_desc("fp8e5", [1, d, bm], gl.float8e5),
+           "qet_desc": _tensor_desc("fp8e4nv", [1, d, bm], gl.float8e4nv),
+           "row_desc": _tensor_desc("fp32", [bm], gl.float32), "dk_ptr": "*bf16", "dv_ptr": "*bf16"}
     for name in ("ks_ptr", "vs_ptr", "dos_ptr", "qes_ptr"):
         sig[name] = "*fp32"
     return _compile_sm90(_dkdv_ws, sig, dict(_CONSTEXPRS, HEAD_DIM=d, CAUSAL=causal))

@@ -6,7 +6,7 @@ block) and 64 queries:
   p = formats.probability_operand(x, r)  (r: the forward's row reference; bit-identical codes)
   dP = (E5M2 dO . E4M3 V^T) * do_scale * v_scale
   dS = p * (dP - delta) -> E4M3 with an amax scale per key (dK/dV kernel,
-       ``formats.DS_BLOCK_DK``) or per query (dQ kernel, ``formats.DS_BLOCK_DQ``)
+       ``formats.ds_block_dk``) or per query (dQ kernel, ``formats.DS_BLOCK_DQ``)
   dV += (E4M3 P^T . E5M2 dO) * do_scale,  dK += (E4M3 dS^T . E4M3 Qe) * ds_scale_key * qe_scale,
   dQ += (E4M3 dS . E4M3 Ke) * ds_scale_query * ke_scale
 Each tile's scales multiply its partial product before it joins the fp32 accumulator.
@@ -60,14 +60,14 @@ from .common import e2m1_round, max_propagate_nan
 
 _P_MODE_ID = {"direct": 0, "exp": 1, "fp4": 2}
 # Key tile = K scale block = the keys of one dQ dS scale; the dK/dV kernel's query tile =
-# the queries of one dK dS scale (dividing the Qe scale block).  Each dS scale is a row
-# factor of its product.
+# the queries of one dK dS scale (formats.ds_block_dk, dividing the Qe scale block).  Each
+# dS scale is a row factor of its product.
 BLOCK_N = F.KEY_TILE
-BLOCK_M_DKDV = F.DS_BLOCK_DK[0]
 BLOCK_M_DQ = 64
 DS_SCALE_MIN = tl.constexpr(F.DS_SCALE_MIN)
-assert F.DS_BLOCK_DQ == (1, BLOCK_N) and F.DS_BLOCK_DK == (BLOCK_M_DKDV, 1)
-assert BLOCK_N == F.KEY_TILE == F.SCALE_BLOCK == 128 and F.SCALE_BLOCK % BLOCK_M_DKDV == 0
+assert F.DS_BLOCK_DQ == (1, BLOCK_N)
+assert BLOCK_N == F.KEY_TILE == F.SCALE_BLOCK == 128
+assert all(F.SCALE_BLOCK % F.ds_block_dk(d)[0] == 0 and F.ds_block_dk(d)[1] == 1 for d in (64, 128))
 
 
 @triton.jit
@@ -507,7 +507,7 @@ def attention_backward(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale
             *do.stride(), *do_t.stride(), *do_scale.stride(), *delta.stride(), *q.stride(), *k.stride(), *v.stride(),
             *q_scale.stride(), *k_scale.stride(), *v_scale.stride(), *qe_t.stride(), *qe_scale.stride(),
             *common_tail, *dk.stride(), *dv.stride(),
-            h, hkv, h // hkv, nq, nk, BLOCK_M=BLOCK_M_DKDV, **consts,
+            h, hkv, h // hkv, nq, nk, BLOCK_M=F.ds_block_dk(d)[0], **consts,
             num_warps=warps, num_stages=stages,
         )
 
