@@ -87,6 +87,19 @@ def _ds_tile(h, start_m, p8, dp, vecs, do_scale, qes_ptr, b, H, v_scale, stride_
 
 
 @gluon.jit
+def _store_rows(ptr, tile, row0, col0, b, kv_head, NK, out_strides):
+    """A float32 [keys, columns] tile into ``ptr``'s dtype at keys row0.. and columns
+    col0.. of head ``kv_head``, keys past NK left alone.  64-bit offsets: B * stride_b may
+    pass 2**31 elements on long sequences."""
+    layout: gl.constexpr = tile.type.layout
+    rows = row0 + gl.arange(0, tile.shape[0], gl.SliceLayout(1, layout))
+    cols = col0 + gl.arange(0, tile.shape[1], gl.SliceLayout(0, layout))
+    offs = (b.to(gl.int64) * out_strides[0] + kv_head * out_strides[1] + rows[:, None] * out_strides[2]
+            + cols[None, :] * out_strides[3])
+    gl.store(ptr + offs, tile.to(ptr.dtype.element_ty), mask=(rows < NK)[:, None])
+
+
+@gluon.jit
 def _consumer(dos_ptr, vs_ptr, qes_ptr, dk_ptr, dv_ptr, smem, bars, out_strides,
               stride_qes, ks, b, kv_head, H, GROUP, k0, j_lo, n_q, NQ, NK,
               WG: gl.constexpr, HEAD_DIM: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
@@ -157,18 +170,10 @@ def _consumer(dos_ptr, vs_ptr, qes_ptr, dk_ptr, dv_ptr, smem, bars, out_strides,
         mbarrier.arrive(t_empty.index(stage))
         dk = dk + part * _rows(scale, dk)
 
-    rows = k0 + WG * BN + gl.arange(0, BN, gl.SliceLayout(1, o_layout))
-    cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, o_layout))
-    # 64-bit: B * stride_b may pass 2**31 elements on long sequences
-    offs = (b.to(gl.int64) * out_strides[0] + kv_head * out_strides[1] + rows[:, None] * out_strides[2]
-            + cols[None, :] * out_strides[3])
-    gl.store(dk_ptr + offs, dk.to(dk_ptr.dtype.element_ty), mask=(rows < NK)[:, None])
-    rows_h = k0 + WG * BN + gl.arange(0, BN, gl.SliceLayout(1, h_layout))
-    cols_h = gl.arange(0, HALF, gl.SliceLayout(0, h_layout))
-    offs_h = (b.to(gl.int64) * out_strides[0] + kv_head * out_strides[1] + rows_h[:, None] * out_strides[2]
-              + cols_h[None, :] * out_strides[3])
-    gl.store(dv_ptr + offs_h, dv_lo.to(dv_ptr.dtype.element_ty), mask=(rows_h < NK)[:, None])
-    gl.store(dv_ptr + offs_h + HALF * out_strides[3], dv_hi.to(dv_ptr.dtype.element_ty), mask=(rows_h < NK)[:, None])
+    row0 = k0 + WG * BN
+    _store_rows(dk_ptr, dk, row0, 0, b, kv_head, NK, out_strides)
+    _store_rows(dv_ptr, dv_lo, row0, 0, b, kv_head, NK, out_strides)
+    _store_rows(dv_ptr, dv_hi, row0, HALF, b, kv_head, NK, out_strides)
 
 
 @gluon.jit
