@@ -260,9 +260,11 @@ def direct_p_codes(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     The E4M3 bit pattern read as an integer is 8 log2(value) + 56 at every power of two
     and linear in between, so ``8 (x - m) + 120`` is the code of ``2 ** (x - m + 8)``
     up to the piecewise-linear error (at most +6.1 %, one-sided).  One float32 rounding
-    of ``8 x + 120 - 8 m``: the sum is formed in float64, where it is exact for the
-    scores' range (``x``: float32, or ``reference.log2_scores``'s exact float64 product,
-    which the kernels' FFMA takes unrounded), then rounded once.
+    of ``8 x + 120 - 8 m``: the sum is formed in float64, then rounded once (``x``:
+    float32, or ``reference.log2_scores``'s exact float64 product, which the kernels' FFMA
+    takes unrounded).  The float64 sum is exact while the product's 46 significant bits
+    and the integer share 53 (log2 scales t above about 2**-26); below, a double rounding
+    is possible but needs a float64 tie, in practice never.
     """
     t = (x.double() * 8.0 + (FP8_P_CODE_AT_MAX - 8.0 * m.double())).float()
     return torch.round(t.clamp(0.0, FP8_P_MAX_CODE))

@@ -101,7 +101,9 @@ def _probability_t(x, x_scale, r, P_MODE: tl.constexpr, EMULATE: tl.constexpr,
     scores (x_scale unused)."""
     if P_MODE == 0:
         # code = rne(clamp(8 x + 120 - 8 r, 0, 126)), one rounding (an FMA of x * 8 t), as
-        # the reference's.  c + 2**23 leaves rne(c) in the low mantissa byte.
+        # the reference's.  c + 2**23 leaves rne(c) in the low mantissa byte.  A masked
+        # score of a padded query (-inf times t = 0) is NaN here: the maximum, which does
+        # not propagate NaN, makes it 0, code 0 (a NaN-propagating clamp would give 0xFF).
         c = tl.minimum(tl.maximum(tl.fma(x, x_scale * 8.0, (120.0 - 8.0 * r)[None, :]), 0.0), 126.0)
         code = (c + 8388608.0).to(tl.int32, bitcast=True) & 0xFF
         if EMULATE:
