@@ -3,12 +3,13 @@
 The dK/dV half of ``kernels/triton/attention_bwd.py`` in the Gluon dQ kernel's structure:
 one program per 128 keys of one K/V head (one K scale block), a producer warp streaming
 the query side through a two-stage ring, two consumer warpgroups of 64 keys each taking
-turns on the tensor cores.  The ring holds, per query tile of 64 queries, the Q and dO rows
-(B operands of the scores and of dP), their token-major Qeᵀ and dOᵀ tiles (B operands
-of the gradient products) and the tile's per-query vectors (q_scale·log2e, Direct-P bias of
-the row reference, delta), which a transposed tile needs per column: loaded by TMA ahead
-of use, not by each consumer thread after its scores.  Per tile and warpgroup, on
-transposed tiles [keys, queries]:
+turns on the tensor cores.  The ring holds, per query tile (``formats.ds_block_dk``: 128
+queries at D = 64, 64 at D = 128), the Q and dO rows (B operands of the scores and of
+dP), their token-major Qeᵀ and dOᵀ tiles (B operands of the gradient products) and the
+tile's per-query vectors (q_scale·log2e, Direct-P bias of the row reference, delta),
+which a transposed tile needs per column: loaded by TMA ahead of use, not by each
+consumer thread after its scores.  Per tile and warpgroup, on transposed tiles
+[keys, queries]:
 
   Sᵀ = K·Qᵀ (INT8, exact),  dPᵀ = V·dOᵀ (E4M3 × E5M2),
   Pᵀ = Direct-P codes against the forward's row references (one per query, a column),
@@ -256,7 +257,7 @@ def _row_vectors(q_scale, row_ref, delta, bm):
     tiles of ``bm`` queries: a descriptor and Nq'.  Nq' rounds Nq up to bm with zeros, so each
     tile starts 256-byte aligned and in bounds, and columns past Nq read zeros (finite, and
     masked).  The bias is computed here once per query, not per thread and step: a thread
-    holds 16 columns of a [64, 64] tile, so in the kernel it cost 32 instructions a step."""
+    holds 16 columns of a 64-query tile, so in the kernel it cost 32 instructions a step."""
     rows = torch.stack((q_scale * F.LOG2E, _direct_p_bias.fn(row_ref), delta), dim=2)
     if rows.shape[-1] % bm:
         rows = torch.nn.functional.pad(rows, (0, -rows.shape[-1] % bm))

@@ -1,7 +1,7 @@
 """Hopper (sm_90) backward attention in Triton: INT8 score recompute, FP8 gradient products.
 
 Computes what ``reference.attention_backward`` specifies.  Per tile of 128 keys (a K scale
-block) and 64 queries:
+block) and 64 queries (dK/dV at D = 64: 128, ``formats.ds_block_dk``):
   x = int8 q.k * (q_scale * log2e * k_scale) [+ bias], masked     (exact int32 products)
   p = formats.probability_operand(x, r)  (r: the forward's row reference; bit-identical codes)
   dP = (E5M2 dO . E4M3 V^T) * do_scale * v_scale
