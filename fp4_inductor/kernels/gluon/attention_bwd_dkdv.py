@@ -136,10 +136,8 @@ def _consumer(dos_ptr, vs_ptr, qes_ptr, dk_ptr, dv_ptr, smem, bars, out_strides,
         stage = c % STAGES
         phase = (c // STAGES) & 1
         mbarrier.wait(q_ready.index(stage), phase)
-        mbarrier.wait(turn.index(WG), c & 1)
         s, dp = _issue_s_dp(k_op, q_bufs.index(stage).reshape([BM, HEAD_DIM]), v_op,
                             do_bufs.index(stage).reshape([BM, HEAD_DIM]), BN, BM, s_layout)
-        mbarrier.arrive(turn.index(1 - WG))
         s, dp = warpgroup_mma_wait(0, deps=(s, dp))
         mbarrier.arrive(q_empty.index(stage))
         h = kv_head * GROUP + c // n_q  # step c: query tile j_lo + c % n_q of the group's head c // n_q

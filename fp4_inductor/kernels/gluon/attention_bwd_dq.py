@@ -93,10 +93,8 @@ def _step(j, dq, q, do, rows, row_t, r, delta, dov_scale, ks_ptr, kes_ptr, NK, m
     stage = j % STAGES
     phase = (j // STAGES) & 1
     mbarrier.wait(kv_ready.index(stage), phase)
-    mbarrier.wait(turn.index(WG), j & 1)
     s, dp = _issue_s_dp(q, k_bufs.index(stage).reshape([BN, HEAD_DIM]), do, v_bufs.index(stage).reshape([BN, HEAD_DIM]),
                         BM, BN, s_layout)
-    mbarrier.arrive(turn.index(1 - WG))
     s, dp = warpgroup_mma_wait(0, deps=(s, dp))
     mbarrier.arrive(kv_empty.index(stage))
     if masked:
