@@ -2,13 +2,13 @@
 
 The dK/dV half of ``kernels/triton/attention_bwd.py`` in the Gluon dQ kernel's structure:
 one program per 128 keys of one K/V head (one K scale block), a producer warp streaming
-the query side through a two-stage ring, two consumer warpgroups of 64 keys each taking
-turns on the tensor cores.  The ring holds, per query tile (``formats.ds_block_dk``: 128
-queries at D = 64, 64 at D = 128), the Q and dO rows (B operands of the scores and of
-dP), their token-major Qeᵀ and dOᵀ tiles (B operands of the gradient products) and the
-tile's per-query vectors (q_scale·log2e, Direct-P bias of the row reference, delta),
-which a transposed tile needs per column: loaded by TMA ahead of use, not by each
-consumer thread after its scores.  Per tile and warpgroup, on transposed tiles
+the query side through a two-stage ring, two consumer warpgroups of 64 keys each that
+issue to the tensor cores without taking turns (as in the dQ kernel).  The ring holds,
+per query tile (``formats.ds_block_dk``: 128 queries at D = 64, 64 at D = 128), the Q and
+dO rows (B operands of the scores and of dP), their token-major Qeᵀ and dOᵀ tiles (B
+operands of the gradient products) and the tile's per-query vectors (q_scale·log2e,
+Direct-P bias of the row reference, delta), which a transposed tile needs per column:
+loaded by TMA ahead of use, not by each consumer thread after its scores.  Per tile and warpgroup, on transposed tiles
 [keys, queries]:
 
   Sᵀ = K·Qᵀ (INT8, exact),  dPᵀ = V·dOᵀ (E4M3 × E5M2),
@@ -19,8 +19,8 @@ consumer thread after its scores.  Per tile and warpgroup, on transposed tiles
   dV += (Pᵀ·dO)·do_scale and dK += (dSᵀ·Qe)·(ds_scale_key·qe_scale), each product summed in
   float32 as the Triton kernel does (same numbers).
 
-A warpgroup issues its products one after the other (one float32 part live): the two
-warpgroups' turns overlap one's products with the other's scores.  Issuing a tile's
+A warpgroup issues its products one after the other (one float32 part live): the other
+warpgroup's scores overlap them.  Issuing a tile's
 products under the next tile's scores instead kept four [64, D] float32 accumulators
 live and spilled: 0.68-0.72x (D = 64) and 0.21-0.26x (D = 128) this order's speed on
 the H200 (docs/perf-notes.md).
@@ -50,7 +50,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from ... import formats as F
 from .attention_bwd_dq import _ds_operand, _issue_s_dp, _rows, _tma_ready, _token_major_desc
 from .attention_fwd import (_LAUNCH, _REGS, _compile_sm90, _direct_p, _direct_p_bias, _layout,
-                            _ping_pong_barriers, _tensor_desc, _wgmma_layout)
+                            _ring_barriers, _tensor_desc, _wgmma_layout)
 
 BLOCK_N = F.KEY_TILE  # keys per program: one K scale block
 BN_WG = BLOCK_N // 2  # keys per consumer warpgroup, each with its own dS scale
@@ -106,7 +106,7 @@ def _consumer(dos_ptr, vs_ptr, qes_ptr, dk_ptr, dv_ptr, smem, bars, out_strides,
               WG: gl.constexpr, HEAD_DIM: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
               STAGES: gl.constexpr, CAUSAL: gl.constexpr):
     k_smem, v_smem, q_bufs, do_bufs, dot_bufs, qet_bufs, row_bufs = smem
-    kv_bar, q_ready, q_empty, t_ready, t_empty, turn = bars
+    kv_bar, q_ready, q_empty, t_ready, t_empty = bars
     nw: gl.constexpr = gl.num_warps()
     s_layout: gl.constexpr = _wgmma_layout(BM, nw)
     o_layout: gl.constexpr = _wgmma_layout(HEAD_DIM, nw)
@@ -126,7 +126,7 @@ def _consumer(dos_ptr, vs_ptr, qes_ptr, dk_ptr, dv_ptr, smem, bars, out_strides,
     mbarrier.wait(kv_bar, 0)
     # One product part live at a time, none while Sᵀ and dPᵀ are: dK, dV and one part
     # (3 x 64 registers a thread at D = 128), where issuing a tile's products under the next
-    # tile's scores kept four accumulators and spilled; the other warpgroup's turn keeps the
+    # tile's scores kept four accumulators and spilled; the other warpgroup's scores keep the
     # tensor cores busy while this one waits on its products.
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
     part = gl.zeros([BN, HEAD_DIM], gl.float32, o_layout)
@@ -179,7 +179,7 @@ def _consumer(dos_ptr, vs_ptr, qes_ptr, dk_ptr, dv_ptr, smem, bars, out_strides,
 def _producer(k_desc, v_desc, q_desc, do_desc, dot_desc, qet_desc, row_desc, smem, bars, b, kv_head, H, GROUP, k0,
               j_lo, n_q, NQ_PAD, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr):
     k_smem, v_smem, q_bufs, do_bufs, dot_bufs, qet_bufs, row_bufs = smem
-    kv_bar, q_ready, q_empty, t_ready, t_empty, turn = bars
+    kv_bar, q_ready, q_empty, t_ready, t_empty = bars
     mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
     for w in gl.static_range(2):
         tma.async_copy_global_to_shared(k_desc, [b, kv_head, k0 + w * BN, 0], kv_bar, k_smem.index(w))
@@ -230,7 +230,7 @@ def _dkdv_ws(k_desc, v_desc, q_desc, do_desc, dot_desc, qet_desc, row_desc, ks_p
     row_bufs = (gl.allocate_shared_memory(gl.float32, [STAGES, BM], row_desc.layout),
                 gl.allocate_shared_memory(gl.float32, [STAGES, BM], row_desc.layout),
                 gl.allocate_shared_memory(gl.float32, [STAGES, BM], row_desc.layout))
-    bars = _ping_pong_barriers(STAGES)  # (kv_bar, q_ready, q_empty, t_ready, t_empty, turn)
+    bars = _ring_barriers(STAGES)  # (kv_bar, q_ready, q_empty, t_ready, t_empty)
 
     smem = (k_smem, v_smem, q_bufs, do_bufs, dot_bufs, qet_bufs, row_bufs)
     out_strides = (stride_ob, stride_oh, stride_on, stride_od)  # dK's and dV's

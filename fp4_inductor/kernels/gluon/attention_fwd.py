@@ -320,23 +320,30 @@ def _program_tiles(NK, GROUP, BM: gl.constexpr, BN: gl.constexpr, CAUSAL: gl.con
 
 
 @gluon.jit
-def _ping_pong_barriers(STAGES: gl.constexpr):
+def _ring_barriers(STAGES: gl.constexpr):
     """The mbarriers of a producer warp and two consumer warpgroups: one for the operands
-    loaded once per program; ready/empty pairs of two rings of STAGES slots (both
-    warpgroups release a slot); and the warpgroups' turns on the tensor cores, warpgroup 0
-    first.  Returned as (once, a_ready, a_empty, b_ready, b_empty, turn)."""
+    loaded once per program, and ready/empty pairs of two rings of STAGES slots (both
+    warpgroups release a slot).  Returned as (once, a_ready, a_empty, b_ready, b_empty)."""
     once = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     a_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     a_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     b_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     b_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     mbarrier.init(once, count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(a_ready.index(i), count=1)
         mbarrier.init(b_ready.index(i), count=1)
         mbarrier.init(a_empty.index(i), count=2)
         mbarrier.init(b_empty.index(i), count=2)
+    return once, a_ready, a_empty, b_ready, b_empty
+
+
+@gluon.jit
+def _ping_pong_barriers(STAGES: gl.constexpr):
+    """``_ring_barriers`` and the warpgroups' turns on the tensor cores, warpgroup 0 first.
+    Returned as (once, a_ready, a_empty, b_ready, b_empty, turn)."""
+    once, a_ready, a_empty, b_ready, b_empty = _ring_barriers(STAGES)
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     mbarrier.init(turn.index(0), count=1)
     mbarrier.init(turn.index(1), count=1)
     mbarrier.arrive(turn.index(0))
