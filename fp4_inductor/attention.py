@@ -53,11 +53,14 @@ class _LowPrecisionAttention(torch.autograd.Function):
         q8, k8, v8t, q_scale, k_scale, v_scale, bias, out, lse, row_ref = ctx.saved_tensors
         do8, do_scale, delta, qe, qe_scale, ke, ke_scale = backward_inputs(
             dout, out, lse, row_ref, q8, q_scale, k8, k_scale, ctx.p_mode)
+        # Ke's scales are read by dQ's product alone: with the softmax scale folded into them
+        # the op returns dQ w.r.t. Q itself, rounded to its dtype once, and no elementwise
+        # kernel rescales it after.
         dq, dk, dv = torch.ops.fp4attn.bwd(
-            do8, do_scale, delta, q8, k8, v8t, q_scale, k_scale, v_scale, qe, qe_scale, ke, ke_scale,
+            do8, do_scale, delta, q8, k8, v8t, q_scale, k_scale, v_scale, qe, qe_scale, ke, ke_scale * ctx.sm_scale,
             bias, row_ref, ctx.causal, ctx.p_mode, dout.dtype, ctx.grads_contiguous,
         )
-        return dq * ctx.sm_scale, dk, dv, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None
 
 
 def backward_inputs(dout, out, lse, row_ref, q8, q_scale, k8, k_scale, p_mode):

@@ -158,9 +158,10 @@ def attention_bwd(
     grads_contiguous: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients from the forward's saved operands; see ``reference.attention_backward``.
-    dQ is w.r.t. Q times the softmax scale.  All three are stored as ``grads_empty`` lays
-    them out: contiguous with ``grads_contiguous`` (the attention's inputs were), else
-    ``[B, N, H, D]``.  The kernels take any strides."""
+    dQ is w.r.t. Q times the softmax scale for the Ke scales ``formats.backward_operands``
+    returns; ``attention.py`` passes them times the softmax scale, for dQ w.r.t. Q.  All
+    three are stored as ``grads_empty`` lays them out: contiguous with ``grads_contiguous``
+    (the attention's inputs were), else ``[B, N, H, D]``.  The kernels take any strides."""
     dq, dk, dv = grads_empty(q, k, out_dtype, grads_contiguous)
     kernel = backward_kernel(q, p_mode)
     if kernel is not None:
