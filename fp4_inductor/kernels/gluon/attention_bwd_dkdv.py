@@ -67,7 +67,7 @@ def _p_tile(start_m, s, keys, vecs, NQ, NK, ks, BM: gl.constexpr, CAUSAL: gl.con
     # commutes with the rounding): one multiply a column, folded into Direct-P's FFMA.
     t32 = vecs[0].load(col_layout) * (ks * 0.03125)
     x = s.to(gl.float32)
-    if MASKED:  # (columns past NQ hold zeros)
+    if MASKED:  # columns past NQ hold zeros: -inf * t32 = NaN there, which FFMA.SAT makes code 0
         cols = start_m + gl.arange(0, BM, col_layout)
         live = (keys < NK)[:, None] & (cols < NQ)[None, :]
         if CAUSAL:

@@ -227,7 +227,7 @@ _CONSTEXPRS = dict(BN=BLOCK_N, STAGES=NUM_STAGES, **_REGS)
 
 def _token_major_desc(t, tokens, dtype):
     """[B, H, D, N] token-major view (rows 16-byte aligned, the Triton launcher's
-    ``_token_major``) as [B*H, D, N] tiles of ``tokens`` tokens."""
+    ``_token_major_empty``) as [B*H, D, N] tiles of ``tokens`` tokens."""
     block = [1, t.shape[2], tokens]
     return TensorDescriptor(t, [t.shape[0] * t.shape[1], t.shape[2], t.shape[3]], [t.stride(1), t.stride(2), 1],
                             block, _layout(block, dtype))

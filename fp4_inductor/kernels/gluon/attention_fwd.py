@@ -1,7 +1,8 @@
 """Warp-specialised Hopper (sm_90) forward in Gluon, P modes ``direct`` and ``exp``.
 
 The numerics of ``kernels/triton/attention_fwd.py`` (INT8 Q.K^T on the tensor cores with
-exact int32 scores, x = mul_rn(s, q_scale log2e k_scale), an integer running maximum,
+exact int32 scores, log2 scores s t with t = q_scale log2e k_scale (Direct-P takes the
+product unrounded into its FFMA, exp rounds it first), an integer running maximum,
 Direct-P E4M3 codes, E4M3 P.V with the two-level accumulation), restructured as
 FlashAttention-3 does on Hopper:
 
