@@ -8,7 +8,9 @@ run (triton do_bench medians):
     included, eagerly ("ours-direct": dO's quantization and
     the backward's other preparation run as separate aten kernels) and under
     ``torch.compile`` ("ours-direct-compiled": Inductor fuses that preparation, as in a
-    model compiled with ``backend="fp4attn"``);
+    model compiled with ``backend="fp4attn"``), and compiled with ``mode="reduce-overhead"``
+    ("ours-direct-graphs": the step replayed as CUDA graphs, without the host's Python;
+    forward + backward only);
   - torch SDPA BF16 on the cuDNN and flash backends, FlashAttention-4 BF16 (flash_attn.cute);
   - cuDNN FP8 (cudnn frontend sdpa_fp8 with stats + sdpa_fp8_backward): E4M3 Q/K/V/O/dO
     cast plainly, E4M3 gradients, and the usual delayed scaling (a first step with unit
@@ -40,22 +42,32 @@ PASSES = {"fwd+bwd": 3.5, "bwd": 2.5}
 torch._dynamo.config.recompile_limit = 64
 
 
-def _autograd(attend):
-    """A method given as a differentiable ``attend(q, k, v)``: returns its setup."""
+def _autograd(attend, cuda_graphs=False):
+    """A method given as a differentiable ``attend(q, k, v)``: returns its setup.
+    ``cuda_graphs``: ``attend`` was compiled with ``mode="reduce-overhead"``; each step
+    starts a new graph step, the gradients come from a replayed step, and the backward is
+    not timed alone (it would re-run a step whose outputs the next replay overwrites)."""
 
     def setup(leaves, dout):
         def drop_grads():  # as optimizer.zero_grad() does: autograd stores, no add into .grad
             for t in leaves:
                 t.grad = None
 
+        def fwd_bwd():
+            drop_grads()
+            if cuda_graphs:
+                torch.compiler.cudagraph_mark_step_begin()
+            attend(*leaves).backward(dout)
+
+        if cuda_graphs:
+            for _ in range(3):  # warm-up, recording, then a replay
+                fwd_bwd()
+            return fwd_bwd, None, [t.grad.float() for t in leaves]
+
         drop_grads()
         out = attend(*leaves)
         out.backward(dout, retain_graph=True)
         grads = [t.grad.float() for t in leaves]
-
-        def fwd_bwd():
-            drop_grads()
-            attend(*leaves).backward(dout)
 
         def bwd():
             drop_grads()
@@ -181,10 +193,14 @@ def _cudnn_fp8():
 
 
 def methods():
+    def attend(q, k, v):
+        return lowp_attention(q, k, v, is_causal=True)
+
     return {
-        "ours-direct": _autograd(lambda q, k, v: lowp_attention(q, k, v, is_causal=True)),
-        "ours-direct-compiled": _autograd(torch.compile(lambda q, k, v: lowp_attention(q, k, v, is_causal=True),
-                                                        fullgraph=True, dynamic=False)),
+        "ours-direct": _autograd(attend),
+        "ours-direct-compiled": _autograd(torch.compile(attend, fullgraph=True, dynamic=False)),
+        "ours-direct-graphs": _autograd(torch.compile(attend, fullgraph=True, dynamic=False, mode="reduce-overhead"),
+                                        cuda_graphs=True),
         "sdpa-cudnn-bf16": _sdpa("CUDNN_ATTENTION"),
         "sdpa-flash-bf16": _sdpa("FLASH_ATTENTION"),
         "fa4-bf16": _fa4(),
@@ -249,6 +265,9 @@ def _time_method(setup, leaves, dout, ref, fwd_flops, rows, triton):
     fwd_bwd, bwd, grads = setup(leaves, dout)
     rel = max(_rel_l2(g, r) for g, r in zip(grads, ref))
     for row, fn in zip(rows, (fwd_bwd, bwd)):
+        if fn is None:
+            row["status"] = "not timed"
+            continue
         ms = triton.testing.do_bench(fn, warmup=10, rep=40, grad_to_none=leaves, return_mode="median")
         row.update(status="ok", ms=ms, tflops=fwd_flops * PASSES[row["pass"]] / ms * 1e-9, grad_rel_l2=rel)
 
