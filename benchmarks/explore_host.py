@@ -11,6 +11,7 @@ kernel), one forward + backward a step:
   - the kernels' device ms a step, and launches a step, from the profiler, and each
     kernel's ms a step;
   - the profiler's table of CPU self time (our custom ops' own Python is their self time).
+Each step starts from ``.grad = None``, as ``bench_training.py``'s do.
 A Python profile of the step would mislead: the backward runs on autograd's device thread,
 which cProfile does not follow; ``explore_launcher_host.py --cuda --profile`` profiles the
 backward launcher on one thread.
@@ -83,6 +84,8 @@ def main():
                 def step(fn=fn, graphs=mode == "cudagraphs"):
                     if graphs:  # a new training step: the last step's graph outputs may be reused
                         torch.compiler.cudagraph_mark_step_begin()
+                    for t in (q, k, v):  # as optimizer.zero_grad() does: no add into .grad
+                        t.grad = None
                     fn(q, k, v).backward(dout)
 
                 row = {"d": d, "n": n, "mode": mode, **measure(step)}
