@@ -81,7 +81,7 @@ def _issue_s_dp(s_a, s_b, dp_a, dp_b, M: gl.constexpr, N: gl.constexpr, layout: 
 
 @gluon.jit
 def _step(j, dq, q, do, rows, row_t, r, delta, dov_scale, ks_ptr, kes_ptr, NK, masked, smem, bars,
-          WG: gl.constexpr, HEAD_DIM: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
+          HEAD_DIM: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
           CAUSAL: gl.constexpr):
     """Key tile j: S_j and dP_j on the tensor cores, dS_j, then its product dS_j·Ke_j,
     which joins dQ with the tile's scales (two-level accumulation).  ``masked``: the
@@ -143,15 +143,15 @@ def _consumer(qs_ptr, ks_ptr, kes_ptr, delta_ptr, ref_ptr, dq_ptr, smem, bars, d
     if HEAD_DIM == 64:  # one compiled step with a runtime mask branch: 5 % faster than three copies at 16k
         for j in range(n_tiles):
             dq = _step(j, dq, q, do, rows, row_t, r, delta, dov_scale, ks_ptr, kes_ptr, NK, (j == 0) | (j >= n_full),
-                       smem, bars, WG, HEAD_DIM, BM, BN, STAGES, CAUSAL)
+                       smem, bars, HEAD_DIM, BM, BN, STAGES, CAUSAL)
     else:  # at D = 128 that branch inside the loop costs 5 %: the whole tiles get their own copy
-        dq = _step(0, dq, q, do, rows, row_t, r, delta, dov_scale, ks_ptr, kes_ptr, NK, True, smem, bars, WG,
+        dq = _step(0, dq, q, do, rows, row_t, r, delta, dov_scale, ks_ptr, kes_ptr, NK, True, smem, bars,
                    HEAD_DIM, BM, BN, STAGES, CAUSAL)
         for j in range(1, n_full):
-            dq = _step(j, dq, q, do, rows, row_t, r, delta, dov_scale, ks_ptr, kes_ptr, NK, False, smem, bars, WG,
+            dq = _step(j, dq, q, do, rows, row_t, r, delta, dov_scale, ks_ptr, kes_ptr, NK, False, smem, bars,
                        HEAD_DIM, BM, BN, STAGES, CAUSAL)
         for j in range(n_full, n_tiles):
-            dq = _step(j, dq, q, do, rows, row_t, r, delta, dov_scale, ks_ptr, kes_ptr, NK, True, smem, bars, WG,
+            dq = _step(j, dq, q, do, rows, row_t, r, delta, dov_scale, ks_ptr, kes_ptr, NK, True, smem, bars,
                        HEAD_DIM, BM, BN, STAGES, CAUSAL)
 
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
