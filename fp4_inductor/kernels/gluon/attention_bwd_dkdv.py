@@ -50,7 +50,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from ... import formats as F
 from .attention_bwd_dq import _ds_operand, _issue_s_dp, _rows, _tma_ready, _token_major_desc
 from .attention_fwd import (_LAUNCH, _REGS, _compile_sm90, _direct_p, _direct_p_bias, _layout,
-                            _ring_barriers, _tensor_desc, _wgmma_layout)
+                            _ring_barriers, _store_rows, _tensor_desc, _wgmma_layout)
 
 BLOCK_N = F.KEY_TILE  # keys per program: one K scale block
 BN_WG = BLOCK_N // 2  # keys per consumer warpgroup, each with its own dS scale
@@ -85,19 +85,6 @@ def _ds_tile(h, start_m, p8, dp, vecs, do_scale, qes_ptr, b, H, v_scale, stride_
     ds8, ds_scale = _ds_operand(p8.to(gl.float32), dp, delta[None, :], dov_scale)
     qe_scale = gl.load(qes_ptr + (b * H + h) * stride_qes + start_m // 128)  # formats.SCALE_BLOCK
     return ds8, ds_scale * qe_scale
-
-
-@gluon.jit
-def _store_rows(ptr, tile, row0, col0, b, kv_head, NK, out_strides):
-    """A float32 [keys, columns] tile into ``ptr``'s dtype at keys row0.. and columns
-    col0.. of head ``kv_head``, keys past NK left alone.  64-bit offsets: B * stride_b may
-    pass 2**31 elements on long sequences."""
-    layout: gl.constexpr = tile.type.layout
-    rows = row0 + gl.arange(0, tile.shape[0], gl.SliceLayout(1, layout))
-    cols = col0 + gl.arange(0, tile.shape[1], gl.SliceLayout(0, layout))
-    offs = (b.to(gl.int64) * out_strides[0] + kv_head * out_strides[1] + rows[:, None] * out_strides[2]
-            + cols[None, :] * out_strides[3])
-    gl.store(ptr + offs, tile.to(ptr.dtype.element_ty), mask=(rows < NK)[:, None])
 
 
 @gluon.jit

@@ -35,8 +35,8 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ... import formats as F
-from .attention_fwd import (_LAUNCH, _REGS, _compile_sm90, _e4m3, _layout, _p_operand, _ring_barriers,
-                            _probability, _program_tiles, _scores, _tensor_desc, _wgmma_layout)
+from .attention_fwd import (_LAUNCH, _REGS, _compile_sm90, _e4m3, _layout, _p_operand, _probability,
+                            _program_tiles, _ring_barriers, _scores, _store_rows, _tensor_desc, _wgmma_layout)
 
 BLOCK_N = F.KEY_TILE
 BM_WG = 64  # query rows per consumer warpgroup
@@ -154,13 +154,7 @@ def _consumer(qs_ptr, ks_ptr, kes_ptr, delta_ptr, ref_ptr, dq_ptr, smem, bars, d
             dq = _step(j, dq, q, do, rows, row_t, r, delta, dov_scale, ks_ptr, kes_ptr, NK, True, smem, bars,
                        HEAD_DIM, BM, BN, STAGES, CAUSAL)
 
-    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    rows_o = start_m + WG * BM + gl.arange(0, BM, row_o)
-    cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, o_layout))
-    # 64-bit: B * stride_b may pass 2**31 elements on long sequences
-    ptrs = (dq_ptr + (bh // H).to(gl.int64) * dq_strides[0] + (bh % H) * dq_strides[1]
-            + rows_o[:, None] * dq_strides[2] + cols[None, :] * dq_strides[3])
-    gl.store(ptrs, dq.to(dq_ptr.dtype.element_ty), mask=(rows_o < NQ)[:, None])
+    _store_rows(dq_ptr, dq, start_m + WG * BM, 0, bh // H, bh % H, NQ, dq_strides)
 
 
 @gluon.jit

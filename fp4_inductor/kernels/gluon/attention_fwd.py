@@ -216,6 +216,19 @@ def _step(j, state, q, s_zero, row_t, rows, ks_ptr, NK, smem, bars,
 
 
 @gluon.jit
+def _store_rows(ptr, tile, row0, col0, b, head, N, out_strides):
+    """A float32 [rows, columns] tile into ``ptr``'s dtype at rows row0.. and columns
+    col0.. of batch ``b``, head ``head``, rows past N left alone.  64-bit offsets:
+    B * stride_b may pass 2**31 elements on long sequences."""
+    layout: gl.constexpr = tile.type.layout
+    rows = row0 + gl.arange(0, tile.shape[0], gl.SliceLayout(1, layout))
+    cols = col0 + gl.arange(0, tile.shape[1], gl.SliceLayout(0, layout))
+    offs = (b.to(gl.int64) * out_strides[0] + head * out_strides[1] + rows[:, None] * out_strides[2]
+            + cols[None, :] * out_strides[3])
+    gl.store(ptr + offs, tile.to(ptr.dtype.element_ty), mask=(rows < N)[:, None])
+
+
+@gluon.jit
 def _consumer(qs_ptr, ks_ptr, vs_ptr, out_ptr, lse_ptr, ref_ptr, smem, bars, out_strides, row_strides,
               bh, kv_head, start_m, H, NQ, NK, n_tiles, n_full,
               WG: gl.constexpr, HEAD_DIM: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
@@ -268,12 +281,7 @@ def _consumer(qs_ptr, ks_ptr, vs_ptr, out_ptr, lse_ptr, ref_ptr, smem, bars, out
 
     v_scale = gl.load(vs_ptr + kv_head)
     r = gl.convert_layout(gl.div_rn(gl.full([BM], 1.0, gl.float32, row_s) * v_scale, l_i), row_o)
-    rows_o = start_m + WG * BM + gl.arange(0, BM, row_o)
-    cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, o_layout))
-    # 64-bit: B * stride_ob may pass 2**31 elements on long sequences
-    o_ptrs = (out_ptr + (bh // H).to(gl.int64) * out_strides[0] + (bh % H) * out_strides[1]
-              + rows_o[:, None] * out_strides[2] + cols[None, :] * out_strides[3])
-    gl.store(o_ptrs, (acc * r[:, None]).to(out_ptr.dtype.element_ty), mask=(rows_o < NQ)[:, None])
+    _store_rows(out_ptr, acc * r[:, None], start_m + WG * BM, 0, bh // H, bh % H, NQ, out_strides)
     lse = (m_i + gl.log2(l_i) - LIFT) * 0.6931471805599453  # LN2
     row = bh * row_strides[0] + rows * row_strides[1]
     gl.store(lse_ptr + row, lse, mask=row_ok)
