@@ -2,13 +2,15 @@
 
 The dK/dV half of ``kernels/triton/attention_bwd.py`` in the Gluon dQ kernel's structure:
 one program per 128 keys of one K/V head (one K scale block), a producer warp streaming
-the query side through a two-stage ring, two consumer warpgroups of 64 keys each that
-issue to the tensor cores without taking turns (as in the dQ kernel).  The ring holds,
+the query side through a two-stage ring, and the consumers: at D = 128 two warpgroups of
+64 keys each that issue to the tensor cores without taking turns (as in the dQ kernel), at
+D = 64 one 8-warp partition over the 128 keys, which compiles the step once instead of
+twice (``_consumers``).  The ring holds,
 per query tile (``formats.ds_block_dk``: 128 queries at D = 64, 64 at D = 128), the Q and
 dO rows (B operands of the scores and of dP), their token-major Qeᵀ and dOᵀ tiles (B
 operands of the gradient products) and the tile's per-query vectors (q_scale·log2e,
 Direct-P bias of the row reference, delta), which a transposed tile needs per column:
-loaded by TMA ahead of use, not by each consumer thread after its scores.  Per tile and warpgroup, on transposed tiles
+loaded by TMA ahead of use, not by each consumer thread after its scores.  Per tile and consumer, on transposed tiles
 [keys, queries]:
 
   Sᵀ = K·Qᵀ (INT8, exact),  dPᵀ = V·dOᵀ (E4M3 × E5M2),
@@ -19,8 +21,8 @@ loaded by TMA ahead of use, not by each consumer thread after its scores.  Per t
   dV += (Pᵀ·dO)·do_scale and dK += (dSᵀ·Qe)·(ds_scale_key·qe_scale), each product summed in
   float32 as the Triton kernel does (same numbers).
 
-A warpgroup issues its products one after the other (one float32 part live): the other
-warpgroup's scores overlap them.  Issuing a tile's
+A consumer issues its products one after the other (one float32 part live): at D = 128 the
+other warpgroup's scores overlap them.  Issuing a tile's
 products under the next tile's scores instead kept four [64, D] float32 accumulators
 live and spilled: 0.68-0.72x (D = 64) and 0.21-0.26x (D = 128) this order's speed on
 the H200 (docs/perf-notes.md).
@@ -53,7 +55,7 @@ from .attention_fwd import (_LAUNCH, _REGS, _compile_sm90, _direct_p, _direct_p_
                             _ring_barriers, _store_rows, _tensor_desc, _wgmma_layout)
 
 BLOCK_N = F.KEY_TILE  # keys per program: one K scale block
-BN_WG = BLOCK_N // 2  # keys per consumer warpgroup, each with its own dS scale
+BN_LOAD = BLOCK_N // 2  # keys per K/V TMA load, two per program
 NUM_STAGES = 2
 
 
@@ -88,10 +90,11 @@ def _ds_tile(h, start_m, p8, dp, vecs, do_scale, qes_ptr, b, H, v_scale, stride_
 
 
 @gluon.jit
-def _consumer(dos_ptr, vs_ptr, qes_ptr, dk_ptr, dv_ptr, smem, bars, out_strides,
-              stride_qes, ks, b, kv_head, H, GROUP, k0, j_lo, n_q, NQ, NK,
-              WG: gl.constexpr, HEAD_DIM: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
               STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+    """Consumer WG, of the program's keys WG·BN .. WG·BN + BN - 1."""
+    dos_ptr, vs_ptr, qes_ptr, dk_ptr, dv_ptr, smem, bars, out_strides, stride_qes, ks, b, kv_head, H, GROUP, k0, \
+        j_lo, n_q, NQ, NK = args
     k_smem, v_smem, q_bufs, do_bufs, dot_bufs, qet_bufs, row_bufs = smem
     kv_bar, q_ready, q_empty, t_ready, t_empty = bars
     nw: gl.constexpr = gl.num_warps()
@@ -100,8 +103,9 @@ def _consumer(dos_ptr, vs_ptr, qes_ptr, dk_ptr, dv_ptr, smem, bars, out_strides,
     keys = k0 + WG * BN + gl.arange(0, BN, gl.SliceLayout(1, s_layout))
     last_key = k0 + WG * BN + BN - 1
     v_scale = gl.load(vs_ptr + b * (H // GROUP) + kv_head)
-    k_op = k_smem.index(WG).reshape([BN, HEAD_DIM])
-    v_op = v_smem.index(WG).reshape([BN, HEAD_DIM])
+    KEYS: gl.constexpr = k_smem.shape[2]  # the program's
+    k_op = k_smem.reshape([KEYS, HEAD_DIM]).slice(WG * BN, BN)
+    v_op = v_smem.reshape([KEYS, HEAD_DIM]).slice(WG * BN, BN)
     dk = gl.zeros([BN, HEAD_DIM], gl.float32, o_layout)
     HALF: gl.constexpr = HEAD_DIM // 2
     h_layout: gl.constexpr = _wgmma_layout(HALF, nw)
@@ -113,8 +117,8 @@ def _consumer(dos_ptr, vs_ptr, qes_ptr, dk_ptr, dv_ptr, smem, bars, out_strides,
     mbarrier.wait(kv_bar, 0)
     # One product part live at a time, none while Sᵀ and dPᵀ are: dK, dV and one part
     # (3 x 64 registers a thread at D = 128), where issuing a tile's products under the next
-    # tile's scores kept four accumulators and spilled; the other warpgroup's scores keep the
-    # tensor cores busy while this one waits on its products.
+    # tile's scores kept four accumulators and spilled; at D = 128 the other warpgroup's
+    # scores keep the tensor cores busy while this one waits on its products.
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
     part = gl.zeros([BN, HEAD_DIM], gl.float32, o_layout)
     ha_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=h_layout, k_width=4)
@@ -163,14 +167,15 @@ def _consumer(dos_ptr, vs_ptr, qes_ptr, dk_ptr, dv_ptr, smem, bars, out_strides,
 
 
 @gluon.jit
-def _producer(k_desc, v_desc, q_desc, do_desc, dot_desc, qet_desc, row_desc, smem, bars, b, kv_head, H, GROUP, k0,
-              j_lo, n_q, NQ_PAD, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr):
+def _producer(args, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr):
+    k_desc, v_desc, q_desc, do_desc, dot_desc, qet_desc, row_desc, smem, bars, b, kv_head, H, GROUP, k0, j_lo, n_q, \
+        NQ_PAD = args
     k_smem, v_smem, q_bufs, do_bufs, dot_bufs, qet_bufs, row_bufs = smem
     kv_bar, q_ready, q_empty, t_ready, t_empty = bars
     mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
     for w in gl.static_range(2):
-        tma.async_copy_global_to_shared(k_desc, [b, kv_head, k0 + w * BN, 0], kv_bar, k_smem.index(w))
-        tma.async_copy_global_to_shared(v_desc, [b, kv_head, k0 + w * BN, 0], kv_bar, v_smem.index(w))
+        tma.async_copy_global_to_shared(k_desc, [b, kv_head, k0 + w * BN, 0], kv_bar, k_smem.slice(w * BN, BN, dim=2))
+        tma.async_copy_global_to_shared(v_desc, [b, kv_head, k0 + w * BN, 0], kv_bar, v_smem.slice(w * BN, BN, dim=2))
     for c in range(GROUP * n_q):
         h = kv_head * GROUP + c // n_q
         start_m = (j_lo + c % n_q) * BM
@@ -194,9 +199,9 @@ def _producer(k_desc, v_desc, q_desc, do_desc, dot_desc, qet_desc, row_desc, sme
 def _dkdv_ws(k_desc, v_desc, q_desc, do_desc, dot_desc, qet_desc, row_desc, ks_ptr, vs_ptr,
              dos_ptr, qes_ptr, dk_ptr, dv_ptr, stride_ob, stride_oh, stride_on, stride_od, stride_ksh, stride_qes,
              H, HKV, NQ, NK, NQ_PAD,
-             HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+             HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr,
              CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
-    BN: gl.constexpr = k_desc.block_type.shape[2]
+    BN: gl.constexpr = k_desc.block_type.shape[2]  # BN_LOAD
     BM: gl.constexpr = q_desc.block_type.shape[2]
     # Causal: the first keys see the most query tiles; launch them first (they are pid 0).
     k0 = gl.program_id(0) * 2 * BN
@@ -208,8 +213,9 @@ def _dkdv_ws(k_desc, v_desc, q_desc, do_desc, dot_desc, qet_desc, row_desc, ks_p
     n_q = gl.maximum(gl.cdiv(NQ, BM) - j_lo, 0)
     ks = gl.load(ks_ptr + b * (HKV * stride_ksh) + kv_head * stride_ksh + gl.program_id(0))
 
-    k_smem = gl.allocate_shared_memory(k_desc.dtype, [2] + k_desc.block_type.shape, k_desc.layout)
-    v_smem = gl.allocate_shared_memory(v_desc.dtype, [2] + v_desc.block_type.shape, v_desc.layout)
+    kv_shape: gl.constexpr = [1, 1, 2 * BN, HEAD_DIM]  # the program's keys, one tile
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, kv_shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, kv_shape, v_desc.layout)
     q_bufs = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
     do_bufs = gl.allocate_shared_memory(do_desc.dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
     dot_bufs = gl.allocate_shared_memory(dot_desc.dtype, [STAGES] + dot_desc.block_type.shape, dot_desc.layout)
@@ -217,23 +223,35 @@ def _dkdv_ws(k_desc, v_desc, q_desc, do_desc, dot_desc, qet_desc, row_desc, ks_p
     row_bufs = (gl.allocate_shared_memory(gl.float32, [STAGES, BM], row_desc.layout),
                 gl.allocate_shared_memory(gl.float32, [STAGES, BM], row_desc.layout),
                 gl.allocate_shared_memory(gl.float32, [STAGES, BM], row_desc.layout))
-    bars = _ring_barriers(STAGES)  # (kv_bar, q_ready, q_empty, t_ready, t_empty)
+    bars = _ring_barriers(STAGES, CONSUMERS)  # (kv_bar, q_ready, q_empty, t_ready, t_empty)
 
     smem = (k_smem, v_smem, q_bufs, do_bufs, dot_bufs, qet_bufs, row_bufs)
     out_strides = (stride_ob, stride_oh, stride_on, stride_od)  # dK's and dV's
-    gl.warp_specialize([
-        (_consumer, (dos_ptr, vs_ptr, qes_ptr, dk_ptr, dv_ptr, smem, bars, out_strides,
-                     stride_qes, ks, b, kv_head, H, GROUP, k0, j_lo, n_q, NQ, NK, 0, HEAD_DIM, BM, BN, STAGES,
-                     CAUSAL)),
-        (_consumer, (dos_ptr, vs_ptr, qes_ptr, dk_ptr, dv_ptr, smem, bars, out_strides,
-                     stride_qes, ks, b, kv_head, H, GROUP, k0, j_lo, n_q, NQ, NK, 1, HEAD_DIM, BM, BN, STAGES,
-                     CAUSAL)),
-        (_producer, (k_desc, v_desc, q_desc, do_desc, dot_desc, qet_desc, row_desc, smem,
-                     bars, b, kv_head, H, GROUP, k0, j_lo, n_q, NQ_PAD, BM, BN, STAGES)),
-    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    args = (dos_ptr, vs_ptr, qes_ptr, dk_ptr, dv_ptr, smem, bars, out_strides, stride_qes, ks, b, kv_head, H, GROUP,
+            k0, j_lo, n_q, NQ, NK)
+    loads = (k_desc, v_desc, q_desc, do_desc, dot_desc, qet_desc, row_desc, smem, bars, b, kv_head, H, GROUP, k0,
+             j_lo, n_q, NQ_PAD)
+    if CONSUMERS == 1:
+        gl.warp_specialize([(_consumer, (args, 0, HEAD_DIM, BM, 2 * BN, STAGES, CAUSAL)),
+                            (_producer, (loads, BM, BN, STAGES))], [1], [PRODUCER_REGS])
+    else:
+        gl.warp_specialize([(_consumer, (args, 0, HEAD_DIM, BM, BN, STAGES, CAUSAL)),
+                            (_consumer, (args, 1, HEAD_DIM, BM, BN, STAGES, CAUSAL)),
+                            (_producer, (loads, BM, BN, STAGES))],
+                           [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 _CONSTEXPRS = dict(STAGES=NUM_STAGES, **_REGS)
+
+
+def _consumers(d: int) -> tuple[dict, dict]:
+    """The constexprs and launch options of head dim ``d``: at D = 64 one 8-warp consumer
+    partition over the program's 128 keys, whose step is compiled once (two 4-warp ones
+    inline it twice, and their warps stalled on instruction fetch: one partition takes
+    0.90x-0.97x their time on the H200); at D = 128 two 4-warp ones of 64 keys, each
+    waiting on its products while the other's run (one partition: 1.14x-1.16x)."""
+    consumers = 1 if d == 64 else 2
+    return dict(_CONSTEXPRS, CONSUMERS=consumers), dict(_LAUNCH, num_warps=8 // consumers)
 
 
 def _row_vectors(q_scale, row_ref, delta, bm):
@@ -278,25 +296,26 @@ def dkdv_backward(do, do_t, do_scale, delta, q, qe_t, qe_scale, k, v, q_scale, k
     b, h, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
     bm = F.ds_block_dk(d)[0]  # queries per step = the queries of one dS scale
-    kv_block, q_block = [1, 1, BN_WG, d], [1, 1, bm, d]
+    kv_block, q_block = [1, 1, BN_LOAD, d], [1, 1, bm, d]
     k_desc = TensorDescriptor.from_tensor(k, kv_block, _layout(kv_block, gl.int8))
     v_desc = TensorDescriptor.from_tensor(v, kv_block, _layout(kv_block, gl.float8e4nv))
     q_desc = TensorDescriptor.from_tensor(q, q_block, _layout(q_block, gl.int8))
     do_desc = TensorDescriptor.from_tensor(do, q_block, _layout(q_block, gl.float8e5))
     row_desc, nq_pad = _row_vectors(q_scale, row_ref, delta, bm)
+    consts, launch = _consumers(d)
     _dkdv_ws[(triton.cdiv(nk, BLOCK_N), b * hkv)](
         k_desc, v_desc, q_desc, do_desc, _token_major_desc(do_t, bm, gl.float8e5),
         _token_major_desc(qe_t, bm, gl.float8e4nv), row_desc,
         k_scale, v_scale, do_scale, qe_scale, dk, dv,
         *dk.stride(), k_scale.stride(1), qe_scale.stride(1), h, hkv, nq, nk, nq_pad,
-        HEAD_DIM=d, CAUSAL=bool(causal), **_CONSTEXPRS, **_LAUNCH)
+        HEAD_DIM=d, CAUSAL=bool(causal), **consts, **launch)
 
 
 def compile_for_sm90(d: int, causal: bool):
     """Compile without a GPU (Triton's bundled ptxas), for inspection: the compiled kernel."""
     bm = F.ds_block_dk(d)[0]
-    sig = {"k_desc": _tensor_desc("i8", [1, 1, BN_WG, d], gl.int8),
-           "v_desc": _tensor_desc("fp8e4nv", [1, 1, BN_WG, d], gl.float8e4nv),
+    sig = {"k_desc": _tensor_desc("i8", [1, 1, BN_LOAD, d], gl.int8),
+           "v_desc": _tensor_desc("fp8e4nv", [1, 1, BN_LOAD, d], gl.float8e4nv),
            "q_desc": _tensor_desc("i8", [1, 1, bm, d], gl.int8),
            "do_desc": _tensor_desc("fp8e5", [1, 1, bm, d], gl.float8e5),
            "dot_desc": _tensor_desc("fp8e5", [1, d, bm], gl.float8e5),
@@ -304,4 +323,5 @@ def compile_for_sm90(d: int, causal: bool):
            "row_desc": _tensor_desc("fp32", [bm], gl.float32), "dk_ptr": "*bf16", "dv_ptr": "*bf16"}
     for name in ("ks_ptr", "vs_ptr", "dos_ptr", "qes_ptr"):
         sig[name] = "*fp32"
-    return _compile_sm90(_dkdv_ws, sig, dict(_CONSTEXPRS, HEAD_DIM=d, CAUSAL=causal))
+    consts, launch = _consumers(d)
+    return _compile_sm90(_dkdv_ws, sig, dict(consts, HEAD_DIM=d, CAUSAL=causal), launch)

@@ -329,10 +329,10 @@ def _program_tiles(NK, GROUP, BM: gl.constexpr, BN: gl.constexpr, CAUSAL: gl.con
 
 
 @gluon.jit
-def _ring_barriers(STAGES: gl.constexpr):
-    """The mbarriers of a producer warp and two consumer warpgroups: one for the operands
-    loaded once per program, and ready/empty pairs of two rings of STAGES slots (both
-    warpgroups release a slot).  Returned as (once, a_ready, a_empty, b_ready, b_empty)."""
+def _ring_barriers(STAGES: gl.constexpr, CONSUMERS: gl.constexpr = 2):
+    """The mbarriers of a producer warp and CONSUMERS consumer partitions: one for the
+    operands loaded once per program, and ready/empty pairs of two rings of STAGES slots
+    (every consumer releases a slot).  Returned as (once, a_ready, a_empty, b_ready, b_empty)."""
     once = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     a_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     a_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -342,8 +342,8 @@ def _ring_barriers(STAGES: gl.constexpr):
     for i in gl.static_range(STAGES):
         mbarrier.init(a_ready.index(i), count=1)
         mbarrier.init(b_ready.index(i), count=1)
-        mbarrier.init(a_empty.index(i), count=2)
-        mbarrier.init(b_empty.index(i), count=2)
+        mbarrier.init(a_empty.index(i), count=CONSUMERS)
+        mbarrier.init(b_empty.index(i), count=CONSUMERS)
     return once, a_ready, a_empty, b_ready, b_empty
 
 
@@ -447,16 +447,16 @@ def _tensor_desc(dt: str, block: list[int], dtype) -> str:
     return f"tensordesc<{dt}[{', '.join(map(str, block))}],{_layout(block, dtype)!r}>"
 
 
-def _compile_sm90(kernel, sig: dict, consts: dict):
-    """Compile a ping-pong kernel of this family for sm_90 without a GPU (Triton's bundled
-    ptxas): ``sig`` types its pointer and descriptor arguments; the rest are constexprs
-    where ``consts`` names them, else i32."""
+def _compile_sm90(kernel, sig: dict, consts: dict, launch: dict = _LAUNCH):
+    """Compile a kernel of this family for sm_90 without a GPU (Triton's bundled ptxas),
+    with launch options ``launch``: ``sig`` types its pointer and descriptor arguments;
+    the rest are constexprs where ``consts`` names them, else i32."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
     sig = dict(sig, **{name: "constexpr" if name in consts else "i32" for name in kernel.arg_names if name not in sig})
     return triton.compile(GluonASTSource(kernel, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
-                          options=_LAUNCH)
+                          options=launch)
 
 
 def compile_for_sm90(d: int, causal: bool, p_mode: str = "direct"):
