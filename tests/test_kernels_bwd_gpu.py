@@ -200,9 +200,12 @@ def test_gluon_dkdv_matches_triton_dkdv(shape, causal, monkeypatch):
 def test_training_step_under_cuda_graphs(d):
     """A causal training step compiled with backend="fp4attn" and mode="reduce-overhead"
     (CUDA graphs; what makes short lengths fast, perf-notes): replays with fresh inputs
-    give the gradients of the same step compiled without graphs, bit for bit (the same
-    kernels on the same bytes, and none of them sums atomically), once Inductor keeps
-    its reductions' configs fixed."""
+    give the gradients of the same step compiled without graphs.  dV bit for bit (the
+    same kernels on the same bytes, none summing atomically).  dQ and dK to 1e-3 rel-L2:
+    they also depend on delta = rowsum(dO * O), an Inductor reduction whose summation
+    order may differ between the two compiles (seen at D = 64 on the H200, with
+    Inductor's deterministic mode on too), and delta's last bits can move a dS code.  A
+    replay reading stale inputs would be off by O(1)."""
     import fp4_inductor
 
     class Attend(torch.nn.Module):
@@ -211,10 +214,7 @@ def test_training_step_under_cuda_graphs(d):
 
     graphed = torch.compile(Attend(), backend="fp4attn", mode="reduce-overhead")
     plain = torch.compile(Attend(), backend="fp4attn")
-    # Inductor otherwise benchmarks the configs of its reductions per compile, and the
-    # one it keeps for delta = rowsum(dO * O) sets the summation order: the two compiles
-    # then differ in delta's last bits, which per-line dS scales carry into dQ and dK.
-    with fp4_inductor.configure(policy="always"), torch._inductor.config.patch(deterministic=True):
+    with fp4_inductor.configure(policy="always"):
         for _ in range(3):  # warm-up, record, replay
             q, k, v = (torch.randn(2, 4, 1024, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
             go = torch.randn_like(q)
@@ -224,9 +224,12 @@ def test_training_step_under_cuda_graphs(d):
                 torch.compiler.cudagraph_mark_step_begin()
                 compiled(*leaves).backward(go)
                 grads.append([t.grad for t in leaves])
-            for name, g, want in zip("dq dk dv".split(), *grads):
+            (dq, dk, dv), (want_dq, want_dk, want_dv) = grads
+            for name, g in (("dq", dq), ("dk", dk), ("dv", dv)):
                 assert torch.isfinite(g).all() and g.abs().amax() > 0, name
-                assert torch.equal(g, want), name
+            assert torch.equal(dv, want_dv)
+            for name, g, want in (("dq", dq, want_dq), ("dk", dk, want_dk)):
+                assert rel_l2(g, want) <= 1e-3, f"{name}: rel-L2 {rel_l2(g, want):.2e} against the plain compile"
 
 
 @pytest.mark.parametrize("d", [64, 128])
