@@ -227,7 +227,7 @@ def test_training_step_under_cuda_graphs(d):
             (dq, dk, dv), (want_dq, want_dk, want_dv) = grads
             for name, g in (("dq", dq), ("dk", dk), ("dv", dv)):
                 assert torch.isfinite(g).all() and g.abs().amax() > 0, name
-            assert torch.equal(dv, want_dv)
+            assert torch.equal(dv, want_dv), "dv"
             for name, g, want in (("dq", dq, want_dq), ("dk", dk, want_dk)):
                 assert rel_l2(g, want) <= 1e-3, f"{name}: rel-L2 {rel_l2(g, want):.2e} against the plain compile"
 

@@ -5,13 +5,12 @@ one program per 128 keys of one K/V head (one K scale block), a producer warp st
 the query side through a two-stage ring, and the consumers: at D = 128 two warpgroups of
 64 keys each that issue to the tensor cores without taking turns (as in the dQ kernel), at
 D = 64 one 8-warp partition over the 128 keys, which compiles the step once instead of
-twice (``_consumers``).  The ring holds,
-per query tile (``formats.ds_block_dk``: 128 queries at D = 64, 64 at D = 128), the Q and
-dO rows (B operands of the scores and of dP), their token-major Qeᵀ and dOᵀ tiles (B
-operands of the gradient products) and the tile's per-query vectors (q_scale·log2e,
-Direct-P bias of the row reference, delta), which a transposed tile needs per column:
-loaded by TMA ahead of use, not by each consumer thread after its scores.  Per tile and consumer, on transposed tiles
-[keys, queries]:
+twice (``_consumers``).  The ring holds, per query tile (``formats.ds_block_dk``: 128
+queries at D = 64, 64 at D = 128), the Q and dO rows (B operands of the scores and of dP),
+their token-major Qeᵀ and dOᵀ tiles (B operands of the gradient products) and the tile's
+per-query vectors (q_scale·log2e, Direct-P bias of the row reference, delta), which a
+transposed tile needs per column: loaded by TMA ahead of use, not by each consumer thread
+after its scores.  Per tile and consumer, on transposed tiles [keys, queries]:
 
   Sᵀ = K·Qᵀ (INT8, exact),  dPᵀ = V·dOᵀ (E4M3 × E5M2),
   Pᵀ = Direct-P codes against the forward's row references (one per query, a column),
@@ -22,10 +21,9 @@ loaded by TMA ahead of use, not by each consumer thread after its scores.  Per t
   float32 as the Triton kernel does (same numbers).
 
 A consumer issues its products one after the other (one float32 part live): at D = 128 the
-other warpgroup's scores overlap them.  Issuing a tile's
-products under the next tile's scores instead kept four [64, D] float32 accumulators
-live and spilled: 0.68-0.72x (D = 64) and 0.21-0.26x (D = 128) this order's speed on
-the H200 (docs/perf-notes.md).
+other warpgroup's scores overlap them.  Issuing a tile's products under the next tile's
+scores instead kept four [64, D] float32 accumulators live and spilled: 0.68-0.72x
+(D = 64) and 0.21-0.26x (D = 128) this order's speed on the H200 (docs/perf-notes.md).
 
 The query tiles of the GQA group's heads run one after the other in one sequence, so dK
 and dV are summed over the group without atomics.  Pᵀ and dSᵀ reach the A operand by a
