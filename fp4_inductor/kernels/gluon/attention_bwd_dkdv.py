@@ -26,16 +26,18 @@ scores instead kept four [64, D] float32 accumulators live and spilled: 0.68-0.7
 (D = 64) and 0.21-0.26x (D = 128) this order's speed on the H200 (docs/perf-notes.md).
 
 The query tiles of the GQA group's heads run one after the other in one sequence, so dK
-and dV are summed over the group without atomics.  Pᵀ and dSᵀ reach the A operand by a
-layout conversion (shuffles).  Only tiles that cross the causal diagonal or the end of the
+and dV are summed over the group without atomics.  The Q and dO rows of a tile arrive in
+the P-operand order (``_permuted_rows``, as K's in the dQ kernel), so Pᵀ and dSᵀ are their
+own A operands (a relabelling of registers, no shuffles).  Only tiles that cross the causal diagonal or the end of the
 keys or queries are masked: a runtime branch per step between two compiled copies of the
 Pᵀ codes, joined before dSᵀ, whose code both share.  dV's product runs in two column
 halves, the first issued before dSᵀ is computed so that it runs under that work (a whole
 [64, 128] part live next to dSᵀ's temporaries spills).
 
 Scope (``supports``): P mode direct, no bias, D = 64 or 128.  K and V contiguous, Q and
-dO with any strides TMA accepts, token-major dOᵀ and Qeᵀ as the Triton launcher makes
-them; the per-query vectors are stacked by the launcher (``_row_vectors``), any layout.
+dO any layout (``_padded_rows`` copies them where they are not contiguous rows in whole
+tiles), token-major dOᵀ and Qeᵀ as the Triton launcher makes them; the per-query vectors
+are stacked by the launcher (``_row_vectors``), any layout.
 """
 
 from __future__ import annotations
@@ -48,9 +50,9 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ... import formats as F
-from .attention_bwd_dq import _ds_operand, _issue_s_dp, _rows, _tma_ready, _token_major_desc
-from .attention_fwd import (_LAUNCH, _REGS, _compile_sm90, _direct_p, _direct_p_bias, _layout,
-                            _ring_barriers, _store_rows, _tensor_desc, _wgmma_layout)
+from .attention_bwd_dq import _ds_operand, _issue_s_dp, _permuted_rows, _rows, _tma_ready, _token_major_desc
+from .attention_fwd import (_LAUNCH, _REGS, _compile_sm90, _direct_p, _direct_p_bias, _key_order, _layout,
+                            _p_operand, _ring_barriers, _store_rows, _tensor_desc, _wgmma_layout)
 
 BLOCK_N = F.KEY_TILE  # keys per program: one K scale block
 BN_LOAD = BLOCK_N // 2  # keys per K/V TMA load, two per program
@@ -68,7 +70,7 @@ def _p_tile(start_m, s, keys, vecs, NQ, NK, ks, BM: gl.constexpr, CAUSAL: gl.con
     t32 = vecs[0].load(col_layout) * (ks * 0.03125)
     x = s.to(gl.float32)
     if MASKED:  # columns past NQ hold zeros: -inf * t32 = NaN there, which FFMA.SAT makes code 0
-        cols = start_m + gl.arange(0, BM, col_layout)
+        cols = start_m + _key_order(BM, col_layout)
         live = (keys < NK)[:, None] & (cols < NQ)[None, :]
         if CAUSAL:
             live = live & (keys[:, None] <= cols[None, :])
@@ -143,7 +145,7 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BM: gl.constexpr, 
         else:
             p8 = _p_tile(start_m, s, keys, vecs, NQ, NK, ks, BM, CAUSAL, True)
         # dV's product in two column halves, the first under dSᵀ's work (module docstring).
-        pa = gl.convert_layout(p8, ha_layout)
+        pa = _p_operand(p8, ha_layout, BN, BM)
         dot = dot_bufs.index(stage).reshape([HEAD_DIM, BM])
         v_part = warpgroup_mma(pa, dot.slice(0, HALF).permute((1, 0)), v_part, use_acc=False, is_async=True)
         ds8, scale = _ds_tile(h, start_m, p8, dp, vecs, do_scale, qes_ptr, b, H, v_scale, stride_qes)
@@ -152,7 +154,7 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BM: gl.constexpr, 
         v_part = warpgroup_mma(pa, dot.slice(HALF, HALF).permute((1, 0)), v_part, use_acc=False, is_async=True)
         v_part = warpgroup_mma_wait(0, deps=(v_part,))
         dv_hi = dv_hi + v_part * do_scale
-        part = warpgroup_mma(gl.convert_layout(ds8, a_layout), qet_bufs.index(stage).reshape([HEAD_DIM, BM])
+        part = warpgroup_mma(_p_operand(ds8, a_layout, BN, BM), qet_bufs.index(stage).reshape([HEAD_DIM, BM])
                              .permute((1, 0)), part, use_acc=False, is_async=True)
         part = warpgroup_mma_wait(0, deps=(part,))
         mbarrier.arrive(t_empty.index(stage))
@@ -181,8 +183,9 @@ def _producer(args, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr):
         phase = (c // STAGES) & 1
         mbarrier.wait(q_empty.index(s), phase ^ 1)  # a fresh barrier counts as released
         mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [b, h, start_m, 0], q_ready.index(s), q_bufs.index(s))
-        tma.async_copy_global_to_shared(do_desc, [b, h, start_m, 0], q_ready.index(s), do_bufs.index(s))
+        chunk = ((b * H + h) * NQ_PAD + start_m) // 16  # _padded_rows
+        tma.async_copy_global_to_shared(q_desc, [chunk, 0, 0, 0, 0], q_ready.index(s), q_bufs.index(s))
+        tma.async_copy_global_to_shared(do_desc, [chunk, 0, 0, 0, 0], q_ready.index(s), do_bufs.index(s))
         mbarrier.wait(t_empty.index(s), phase ^ 1)
         mbarrier.expect(t_ready.index(s), dot_desc.block_type.nbytes + qet_desc.block_type.nbytes
                         + 3 * row_desc.block_type.nbytes)
@@ -200,7 +203,7 @@ def _dkdv_ws(k_desc, v_desc, q_desc, do_desc, dot_desc, qet_desc, row_desc, ks_p
              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr,
              CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     BN: gl.constexpr = k_desc.block_type.shape[2]  # BN_LOAD
-    BM: gl.constexpr = q_desc.block_type.shape[2]
+    BM: gl.constexpr = 16 * q_desc.block_type.shape[0]
     # Causal: the first keys see the most query tiles; launch them first (they are pid 0).
     k0 = gl.program_id(0) * 2 * BN
     b = gl.program_id(1) // HKV
@@ -262,7 +265,22 @@ def _row_vectors(q_scale, row_ref, delta, bm):
     rows = torch.stack((q_scale * F.LOG2E, _direct_p_bias.fn(row_ref), delta), dim=2)
     if rows.shape[-1] % bm:
         rows = torch.nn.functional.pad(rows, (0, -rows.shape[-1] % bm))
+    # Each 16 queries in the order of the Q and dO rows (_key_order): position 8jl + 2q + b
+    # holds query 4q + 2jl + b.
+    rows = rows.unflatten(-1, (-1, 4, 2, 2)).transpose(-3, -2).flatten(-4)
     return TensorDescriptor(rows, [rows.numel()], [1], [bm], _layout([bm], gl.float32)), rows.shape[-1]
+
+
+def _padded_rows(t, bm):
+    """[B, H, N, D] ``t`` contiguous with N rounded up to ``bm`` by zero rows (a copy only
+    where it is not so already): Q and dO as the kernel reads them, a tile of bm rows in
+    P-operand order (``_permuted_rows``) from one head, zeros past N, as the tiles of the
+    flat row vectors (``_row_vectors``)."""
+    if t.is_contiguous() and t.shape[2] % bm == 0 and t.data_ptr() % 16 == 0:
+        return t
+    padded = t.new_zeros(*t.shape[:2], triton.cdiv(t.shape[2], bm) * bm, t.shape[3])
+    padded[:, :, :t.shape[2]] = t
+    return padded
 
 
 def supports(do, do_t, do_scale, delta, q, qe_t, qe_scale, k, v, q_scale, k_scale, v_scale, row_ref, causal, dk, dv,
@@ -276,7 +294,7 @@ def supports(do, do_t, do_scale, delta, q, qe_t, qe_scale, k, v, q_scale, k_scal
             and q.dtype == k.dtype == torch.int8 and do.dtype == do_t.dtype == F.E5M2
             and v.dtype == qe_t.dtype == F.E4M3
             and all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (k, v))
-            and all(_tma_ready(t) for t in (q, do, do_t, qe_t))
+            and all(_tma_ready(t) for t in (do_t, qe_t))
             and all(t.stride(0) == h * t.stride(1) for t in (do_t, qe_t))  # [B*H, D, N] views
             and all(t.is_contiguous() for t in (qe_scale, k_scale, v_scale, do_scale))
             and all(t.shape == (b, h, nq) and t.dtype == torch.float32 for t in (q_scale, row_ref, delta))
@@ -294,11 +312,11 @@ def dkdv_backward(do, do_t, do_scale, delta, q, qe_t, qe_scale, k, v, q_scale, k
     b, h, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
     bm = F.ds_block_dk(d)[0]  # queries per step = the queries of one dS scale
-    kv_block, q_block = [1, 1, BN_LOAD, d], [1, 1, bm, d]
+    kv_block = [1, 1, BN_LOAD, d]
     k_desc = TensorDescriptor.from_tensor(k, kv_block, _layout(kv_block, gl.int8))
     v_desc = TensorDescriptor.from_tensor(v, kv_block, _layout(kv_block, gl.float8e4nv))
-    q_desc = TensorDescriptor.from_tensor(q, q_block, _layout(q_block, gl.int8))
-    do_desc = TensorDescriptor.from_tensor(do, q_block, _layout(q_block, gl.float8e5))
+    q_desc = _permuted_rows(_padded_rows(q, bm), bm, gl.int8)
+    do_desc = _permuted_rows(_padded_rows(do, bm), bm, gl.float8e5)
     row_desc, nq_pad = _row_vectors(q_scale, row_ref, delta, bm)
     consts, launch = _consumers(d)
     _dkdv_ws[(triton.cdiv(nk, BLOCK_N), b * hkv)](
@@ -314,8 +332,8 @@ def compile_for_sm90(d: int, causal: bool):
     bm = F.ds_block_dk(d)[0]
     sig = {"k_desc": _tensor_desc("i8", [1, 1, BN_LOAD, d], gl.int8),
            "v_desc": _tensor_desc("fp8e4nv", [1, 1, BN_LOAD, d], gl.float8e4nv),
-           "q_desc": _tensor_desc("i8", [1, 1, bm, d], gl.int8),
-           "do_desc": _tensor_desc("fp8e5", [1, 1, bm, d], gl.float8e5),
+           "q_desc": _tensor_desc("i8", [bm // 16, 2, 4, 2, d], gl.int8),
+           "do_desc": _tensor_desc("fp8e5", [bm // 16, 2, 4, 2, d], gl.float8e5),
            "dot_desc": _tensor_desc("fp8e5", [1, d, bm], gl.float8e5),
            "qet_desc": _tensor_desc("fp8e4nv", [1, d, bm], gl.float8e4nv),
            "row_desc": _tensor_desc("fp32", [bm], gl.float32), "dk_ptr": "*bf16", "dv_ptr": "*bf16"}

@@ -208,10 +208,11 @@ def _dq_ws(q_desc, do_desc, k_desc, v_desc, ke_desc, qs_ptr, ks_ptr, kes_ptr, do
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
-def _permuted_rows(t, d, dtype):
-    """A 5-D TMA descriptor over contiguous [B, Hkv, Nk, D] rows in the P-operand order
-    (``attention_fwd._key_order``)."""
-    block = [BLOCK_N // 16, 2, 4, 2, d]
+def _permuted_rows(t, tile, dtype):
+    """A 5-D TMA descriptor over the rows of contiguous [B, H, N, D] ``t`` in tiles of
+    ``tile`` rows, each in the P-operand order (``attention_fwd._key_order``)."""
+    d = t.shape[-1]
+    block = [tile // 16, 2, 4, 2, d]
     return TensorDescriptor(t, [t.numel() // (16 * d), 2, 4, 2, d], [16 * d, 2 * d, 4 * d, d, 1], block,
                             _layout(block, dtype))
 
@@ -263,7 +264,7 @@ def dq_backward(do, do_scale, delta, q, k, v, q_scale, k_scale, v_scale, ke_t, k
     do_desc = TensorDescriptor.from_tensor(do, q_block, _layout(q_block, gl.float8e5))
     k_scale, ke_scale = k_scale.reshape(b * hkv, -1), ke_scale.reshape(b * hkv, -1)
     _dq_ws[(triton.cdiv(nq, 2 * BM_WG), b * h)](
-        q_desc, do_desc, _permuted_rows(k, d, gl.int8), _permuted_rows(v, d, gl.float8e4nv),
+        q_desc, do_desc, _permuted_rows(k, BLOCK_N, gl.int8), _permuted_rows(v, BLOCK_N, gl.float8e4nv),
         _token_major_desc(ke_t, BLOCK_N, gl.float8e4nv),
         q_scale, k_scale, ke_scale, do_scale.reshape(-1), v_scale.reshape(-1), delta, row_ref, dq,
         *dq.stride(), k_scale.stride(0), h, h // hkv, nq, nk,
