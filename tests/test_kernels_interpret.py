@@ -11,6 +11,7 @@ case runs in a fresh Python process.
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -158,3 +159,35 @@ def test_gluon_direct_p_bias_is_plain_arithmetic_on_torch_tensors(fresh_seed):
     m = torch.cat([torch.randn(4096) * 30, torch.randint(-300, 300, (4096,)).float(), torch.tensor([0.0, -0.0, 15.0])])
     want = ((F.FP8_P_CODE_AT_MAX - 8.0 * m.double()) / 256).float()
     assert torch.equal(_direct_p_bias.fn(m), want)
+
+
+@pytest.mark.parametrize("nq", [200, 256])
+def test_gluon_dkdv_row_vectors_follow_the_query_rows_order(nq, fresh_seed):
+    """The Gluon dK/dV launcher hands the kernel Q and dO rows through a 5-D TMA box
+    (``_permuted_rows``) and the per-query vectors through a flat one (``_row_vectors``):
+    the vectors' position p of a tile must belong to the query whose row the box puts at
+    p, as the box's strides say, with whole zero-padded tiles per head."""
+    pytest.importorskip("triton.experimental.gluon")
+    import torch
+    from triton.experimental.gluon import language as gl
+
+    from fp4_inductor.kernels.gluon import attention_bwd_dkdv as K
+
+    b, h, d, bm = 2, 3, 64, 128
+    q = torch.randint(-127, 128, (b, h, nq, d), dtype=torch.int8)
+    vectors = [torch.rand(b, h, nq) + 0.5 for _ in range(3)]
+    padded = K._padded_rows(q, bm)
+    n_pad = padded.shape[2]
+    assert n_pad % bm == 0 and torch.equal(padded[:, :, :nq], q) and not padded[:, :, nq:].any()
+    assert (padded is q) == (nq % bm == 0)
+
+    box = K._permuted_rows(padded, bm, gl.int8)
+    row_strides = [st // d for st in box.strides[1:4]]  # in rows, within a 16-row chunk
+    within = [sum(i * st for i, st in zip(idx, row_strides)) for idx in itertools.product(*map(range, box.shape[1:4]))]
+    order = torch.tensor([16 * c + w for c in range(n_pad // 16) for w in within])  # query at each position
+    rows_desc, n_rows = K._row_vectors(*vectors, bm)
+    rows = rows_desc.base.reshape(b, h, 3, n_rows)
+    assert n_rows == n_pad
+    for i, v in enumerate((vectors[0] * K.F.LOG2E, K._direct_p_bias.fn(vectors[1]), vectors[2])):
+        want = torch.nn.functional.pad(v, (0, n_pad - nq))[..., order]
+        assert torch.equal(rows[:, :, i], want), f"vector {i}"

@@ -262,12 +262,12 @@ def _row_vectors(q_scale, row_ref, delta, bm):
     tile starts 256-byte aligned and in bounds, and columns past Nq read zeros (finite, and
     masked).  The bias is computed here once per query, not per thread and step: a thread
     holds 16 columns of a 64-query tile, so in the kernel it cost 32 instructions a step."""
-    rows = torch.stack((q_scale * F.LOG2E, _direct_p_bias.fn(row_ref), delta), dim=2)
-    if rows.shape[-1] % bm:
-        rows = torch.nn.functional.pad(rows, (0, -rows.shape[-1] % bm))
+    vectors = (q_scale * F.LOG2E, _direct_p_bias.fn(row_ref), delta)
+    if q_scale.shape[-1] % bm:
+        vectors = [torch.nn.functional.pad(v, (0, -v.shape[-1] % bm)) for v in vectors]
     # Each 16 queries in the order of the Q and dO rows (_key_order): position 8jl + 2q + b
-    # holds query 4q + 2jl + b.
-    rows = rows.unflatten(-1, (-1, 4, 2, 2)).transpose(-3, -2).flatten(-4)
+    # holds query 4q + 2jl + b.  The stack writes that order in its one copy.
+    rows = torch.stack([v.unflatten(-1, (-1, 4, 2, 2)).transpose(-3, -2) for v in vectors], dim=2).flatten(-4)
     return TensorDescriptor(rows, [rows.numel()], [1], [bm], _layout([bm], gl.float32)), rows.shape[-1]
 
 
