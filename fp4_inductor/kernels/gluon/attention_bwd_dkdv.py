@@ -28,9 +28,9 @@ scores instead kept four [64, D] float32 accumulators live and spilled: 0.68-0.7
 The query tiles of the GQA group's heads run one after the other in one sequence, so dK
 and dV are summed over the group without atomics.  The Q and dO rows of a tile arrive in
 the P-operand order (``_permuted_rows``, as K's in the dQ kernel), so Pᵀ and dSᵀ are their
-own A operands (a relabelling of registers, no shuffles).  Only tiles that cross the causal diagonal or the end of the
-keys or queries are masked: a runtime branch per step between two compiled copies of the
-Pᵀ codes, joined before dSᵀ, whose code both share.  dV's product runs in two column
+own A operands (a relabelling of registers, no shuffles).  Only tiles that cross the
+causal diagonal or the end of the keys or queries are masked: a runtime branch per step
+between two compiled copies of the Pᵀ codes, joined before dSᵀ, whose code both share.  dV's product runs in two column
 halves, the first issued before dSᵀ is computed so that it runs under that work (a whole
 [64, 128] part live next to dSᵀ's temporaries spills).
 
