@@ -38,7 +38,8 @@ def _triton_launcher(module: str, name: str):
 
 
 def _applies(q: torch.Tensor) -> bool:
-    """What every Triton kernel needs: an sm_90 device and D in {64, 128}."""
+    """What every Triton kernel needs: an sm_90 device (``has_forward_kernel``, which
+    also honours ``FP4ATTN_KERNELS=0``) and D in {64, 128}."""
     return has_forward_kernel(q.device) and q.shape[-1] in (64, 128)
 
 
@@ -60,8 +61,9 @@ def quantize_kernel(q: torch.Tensor, fmt: str):
 def forward_kernel(q: torch.Tensor, p_mode: str):
     """The sm_90 forward launcher for D in {64, 128}, else None: the warp-specialised Gluon
     kernel for P mode direct where it covers the call (``kernels.gluon.attention_fwd.supports``)
-    from ``GLUON_MIN_KEYS`` keys on, the Triton kernel for the rest (shorter rows, P modes
-    exp and fp4, biases and masks, Nk not a multiple of 16)."""
+    and both the queries and the keys reach ``GLUON_MIN_KEYS``, the Triton kernel for the
+    rest (shorter rows, P modes exp and fp4, biases and masks, Nk not a multiple of 16);
+    the choice is made per call, in ``_forward``."""
     if not _applies(q) or p_mode not in P_MODES:
         return None
     return _forward if _module("triton", "attention_fwd") is not None else None

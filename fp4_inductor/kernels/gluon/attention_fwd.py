@@ -28,7 +28,7 @@ Scope (``supports``): P mode ``direct`` or ``exp`` (the ablation: exp2 on the MU
 the convert instruction, in the same kernel structure), no bias, D in {64, 128}, Nk a
 multiple of 16 (TMA needs the V^T rows 16-byte aligned and K in whole 16-key chunks),
 contiguous operands; causal (top-left, as SDPA) or not; GQA/MQA.  Which calls it gets
-is decided in ``kernels.forward_kernel``; the rest run the Triton kernel.
+is decided per call by ``kernels._forward`` (lengths); the rest run the Triton kernel.
 """
 
 from __future__ import annotations
@@ -395,7 +395,7 @@ def _fwd_ws(q_desc, k_desc, v_desc, qs_ptr, ks_ptr, vs_ptr, out_ptr, lse_ptr, re
 
 def supports(q, k, v_t, q_scale, bias, p_mode, lse, row_ref) -> bool:
     """Whether this kernel can compute the call (module docstring); which calls it gets is
-    decided in ``kernels.forward_kernel``."""
+    decided by ``kernels._forward``."""
     b, h, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
     rows = (h * nq, nq, 1)
