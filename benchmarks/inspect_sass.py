@@ -1,12 +1,15 @@
-"""Compile the forward kernel for sm_90 without a GPU and report what the compiler made.
+"""Compile the attention kernels for sm_90 without a GPU and report what the compiler made.
 
-    python benchmarks/inspect_sass.py [--dump DIR]
+    python benchmarks/inspect_sass.py [--dump DIR]              # the Triton forward's variants
+    python benchmarks/inspect_sass.py --gluon fwd dq dkdv       # the warp-specialised Gluon kernels
 
 Per variant: registers, spills, shared memory and a count of the SASS instructions that
 decide speed (IGMMA = INT8 wgmma, QGMMA = FP8 wgmma, MUFU = exp2/log2, I2F/F2I/F2FP =
 conversions, FMNMX/FFMA/FMUL/FADD = softmax arithmetic).  Needs only Triton (its
 bundled ptxas and cuobjdump); the signature mirrors what the launcher passes on contiguous
 inputs (last-dim strides specialised to 1, pointers and row strides 16-byte aligned).
+``--gluon`` compiles each Gluon module's ``compile_for_sm90`` (P mode direct) instead;
+their API is Triton 3.6's, so that needs the Triton the GPU machine runs.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from fp4_inductor import formats as F  # noqa: E402
 from fp4_inductor.kernels.triton import attention_fwd as K  # noqa: E402
+
+GLUON = {"fwd": "attention_fwd", "dq": "attention_bwd_dq", "dkdv": "attention_bwd_dkdv"}
 
 OPS = ["IGMMA", "QGMMA", "HGMMA", "WARPGROUP", "MUFU", "I2F", "F2I", "F2FP", "FMNMX", "FFMA",
        "FMUL", "FADD", "IADD3", "PRMT", "SHF", "LOP3", "FSEL", "SEL", "SHFL", "BAR", "LDS", "STS", "LDL", "STL"]
@@ -104,9 +109,18 @@ def main():
     ap.add_argument("--no-tma", action="store_true")
     ap.add_argument("--no-perm", action="store_true")
     ap.add_argument("--opt", nargs="*", default=[], help="NAME=0/1 kernel switches")
+    ap.add_argument("--gluon", nargs="*", choices=sorted(GLUON), help="these Gluon kernels instead")
     args = ap.parse_args()
+    print(f"{'variant':44s} regs stack   smem instr " + " ".join(f"{o:>5s}" for o in OPS))
+    if args.gluon:
+        import importlib
+
+        for kernel, d, causal in itertools.product(args.gluon, args.d, args.causal):
+            module = importlib.import_module(f"fp4_inductor.kernels.gluon.{GLUON[kernel]}")
+            report(f"gluon_{kernel}_d{d}_{'causal' if causal else 'full'}",
+                   lambda: module.compile_for_sm90(d, bool(causal)), args.dump)
+        return
     configs = [tuple(int(x) for x in c.split(",")) for c in args.configs] if args.configs else K.CONFIGS[:1]
-    print(f"{'variant':44s} regs stack   smem  " + " ".join(f"{o:>5s}" for o in OPS))
     for d, mode, causal, bias, cfg in itertools.product(args.d, args.modes, args.causal, args.bias, configs):
         name = f"d{d}_{mode}_{'causal' if causal else 'full'}_bias{bias}_bm{cfg[0]}w{cfg[1]}s{cfg[2]}"
         if len(cfg) > 3:
@@ -117,22 +131,28 @@ def main():
             name += "_noperm"
         for kv in args.opt:
             name += "_" + kv.replace("PV_SPLIT", "pv").replace("CVT_I2F", "i2f")
-        try:
-            opts = {kv.split("=")[0]: bool(int(kv.split("=")[1])) for kv in args.opt}
-            ck = compile_variant(d, mode, bool(causal), bias, *cfg, tma=not args.no_tma, perm=not args.no_perm,
-                                 options=opts)
-        except Exception as err:  # report and continue: one failing variant should not hide the rest
-            print(f"{name:44s} FAILED: {type(err).__name__}: {str(err)[:300]}")
-            continue
-        sass, regs, spills = disassemble(ck.asm["cubin"])
-        ops = count_ops(sass)
-        print(f"{name:44s} {regs:4d} {spills:5d} {ck.metadata.shared:6d}  " + " ".join(f"{ops[o]:5d}" for o in OPS))
-        ck.asm["sass"] = sass
-        if args.dump:
-            os.makedirs(args.dump, exist_ok=True)
-            for ext in ("ptx", "sass", "ttgir"):
-                with open(os.path.join(args.dump, f"{name}.{ext}"), "w") as f:
-                    f.write(str(ck.asm.get(ext, "")))
+        opts = {kv.split("=")[0]: bool(int(kv.split("=")[1])) for kv in args.opt}
+        report(name, lambda: compile_variant(d, mode, bool(causal), bias, *cfg, tma=not args.no_tma,
+                                             perm=not args.no_perm, options=opts), args.dump)
+
+
+def report(name: str, compile_fn, dump: str | None) -> None:
+    """One row: registers, spill stack, shared memory, instructions and the counted ones."""
+    try:
+        ck = compile_fn()
+    except Exception as err:  # report and continue: one failing variant should not hide the rest
+        print(f"{name:44s} FAILED: {type(err).__name__}: {str(err)[:300]}")
+        return
+    sass, regs, spills = disassemble(ck.asm["cubin"])
+    ops = count_ops(sass)
+    print(f"{name:44s} {regs:4d} {spills:5d} {ck.metadata.shared:6d} {sum(ops.values()):5d} "
+          + " ".join(f"{ops[o]:5d}" for o in OPS))
+    ck.asm["sass"] = sass
+    if dump:
+        os.makedirs(dump, exist_ok=True)
+        for ext in ("ptx", "sass", "ttgir"):
+            with open(os.path.join(dump, f"{name}.{ext}"), "w") as f:
+                f.write(str(ck.asm.get(ext, "")))
 
 
 if __name__ == "__main__":
