@@ -20,8 +20,9 @@ after its scores.  Per tile and consumer, on transposed tiles [keys, queries]:
   dV += (Pᵀ·dO)·do_scale and dK += (dSᵀ·Qe)·(ds_scale_key·qe_scale), each product summed in
   float32 as the Triton kernel does (same numbers).
 
-A consumer issues its products one after the other (one float32 part live): at D = 128 the
-other warpgroup's scores overlap them.  Issuing a tile's products under the next tile's
+A consumer issues its products one after the other, only dV's first column half running
+while dSᵀ is computed, so its accumulators are dK, dV's two halves and one part of each
+product: at D = 128 the other warpgroup's scores overlap them.  Issuing a tile's products under the next tile's
 scores instead kept four [64, D] float32 accumulators live and spilled: 0.68-0.72x
 (D = 64) and 0.21-0.26x (D = 128) this order's speed on the H200 (docs/perf-notes.md).
 
@@ -115,10 +116,10 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BM: gl.constexpr, 
     # Also where no query tile sees these keys (causal, n_steps = 0): the program must not
     # exit while the producer's K and V loads still write its shared memory.
     mbarrier.wait(kv_bar, 0)
-    # One product part live at a time, none while Sᵀ and dPᵀ are: dK, dV and one part
-    # (3 x 64 registers a thread at D = 128), where issuing a tile's products under the next
-    # tile's scores kept four accumulators and spilled; at D = 128 the other warpgroup's
-    # scores keep the tensor cores busy while this one waits on its products.
+    # One part of each product (dK's, dV's half), none in flight while the scores are
+    # converted to Pᵀ: issuing a tile's products under the next tile's scores kept more
+    # accumulators live and spilled; at D = 128 the other warpgroup's scores keep the tensor
+    # cores busy while this one waits on its products.
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
     part = gl.zeros([BN, HEAD_DIM], gl.float32, o_layout)
     ha_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=h_layout, k_width=4)

@@ -85,9 +85,10 @@ def _step(j, dq, q, do, rows, row_t, r, delta, dov_scale, ks_ptr, kes_ptr, NK, m
           CAUSAL: gl.constexpr):
     """Key tile j: S_j and dP_j on the tensor cores, dS_j, then its product dS_j·Ke_j,
     which joins dQ with the tile's scales (two-level accumulation).  ``masked``: the
-    tile may hold keys past NK or (causal) after a row, else it is known whole; a runtime
-    branch between two compiled copies of the scores, joined before P, so the rest of the
-    step is compiled once."""
+    tile may hold keys past NK or (causal) after a row, else it is known whole; at D = 64
+    a runtime value (a branch between two compiled copies of the scores, joined before P,
+    so the rest of the step is compiled once), at D = 128 a literal, so that each kind of
+    tile gets its own copy of the step (``_consumer``)."""
     q_smem, do_smem, k_bufs, v_bufs, ke_bufs = smem
     in_bar, kv_ready, kv_empty, ke_ready, ke_empty = bars
     s_layout: gl.constexpr = _wgmma_layout(BN, gl.num_warps())
@@ -254,7 +255,7 @@ def supports(do, delta, q, k, v, q_scale, ke_t, k_scale, ke_scale, row_ref, bias
 
 def dq_backward(do, do_scale, delta, q, k, v, q_scale, k_scale, v_scale, ke_t, ke_scale, row_ref, causal, dq):
     """dQ (as ``ke_scale`` scales it: ``ops.attention_bwd``) into ``dq`` [B, H, Nq, D]
-    (any strides), for the calls ``supports`` accepts.  ``v`` is V row-major [B, Hkv, Nk,
+    (the strides ``supports`` accepts), for the calls ``supports`` accepts.  ``v`` is V row-major [B, Hkv, Nk,
     D], ``ke_t`` the token-major E4M3 K [B, Hkv, D, Nk]; the rest as
     ``reference.attention_backward``, float32 scales and rows."""
     b, h, nq, d = q.shape

@@ -51,9 +51,9 @@ BM_WG = 64  # query rows per consumer warpgroup (two per program)
 ONES_N = gl.constexpr(8)  # the narrowest wgmma: P times [BN, 8] ones gives each row's sum 8 times
 E4M3_ONE = gl.constexpr(0x38)
 NUM_STAGES = 2  # K/V ring depth: 3 measured no faster on the H200 (docs/perf-notes.md)
-# Registers of every ping-pong kernel here (forward, dQ, dK/dV): setmaxnreg values of the
-# worker partitions (the second consumer warpgroup, the producer), and the launch's cap
-# per thread (12 warps share the register file).
+# Registers of the warp-specialised kernels here (forward, dQ, dK/dV): setmaxnreg values of
+# the worker partitions (a second consumer warpgroup where there is one, the producer), and
+# the launch's cap per thread (12 warps share the register file).
 _REGS = dict(CONSUMER_REGS=240, PRODUCER_REGS=24)
 _LAUNCH = dict(num_warps=4, maxnreg=168)
 
@@ -97,8 +97,8 @@ def _e4m3(v):
 @gluon.jit
 def _probability(x, t, m, EXP: gl.constexpr):
     """The E4M3 P operand of one tile, as the Triton kernel's _probability, from
-    ``_scores``'s x and t, against the row references ``m``; t and m broadcast to x's
-    shape ([rows, 1], or [1, cols] for a transposed tile).  Direct-P: ``_direct_p`` of the
+    ``_scores``'s x and t, against the row references ``m``; t and m are [rows, 1].
+    Direct-P: ``_direct_p`` of the
     integer scores with the bias of m; exp: exp2(x - m + 8) of the log2 scores, converted
     by the cvt instruction."""
     if EXP:
