@@ -22,18 +22,19 @@ after its scores.  Per tile and consumer, on transposed tiles [keys, queries]:
 
 A consumer issues its products one after the other, only dV's first column half running
 while dSᵀ is computed, so its accumulators are dK, dV's two halves and one part of each
-product: at D = 128 the other warpgroup's scores overlap them.  Issuing a tile's products under the next tile's
-scores instead kept four [64, D] float32 accumulators live and spilled: 0.68-0.72x
-(D = 64) and 0.21-0.26x (D = 128) this order's speed on the H200 (docs/perf-notes.md).
+product: at D = 128 the other warpgroup's scores overlap them.  Issuing a tile's products
+under the next tile's scores instead kept four [64, D] float32 accumulators live and
+spilled: 0.68-0.72x (D = 64) and 0.21-0.26x (D = 128) this order's speed on the H200
+(docs/perf-notes.md).
 
 The query tiles of the GQA group's heads run one after the other in one sequence, so dK
 and dV are summed over the group without atomics.  The Q and dO rows of a tile arrive in
 the P-operand order (``_permuted_rows``, as K's in the dQ kernel), so Pᵀ and dSᵀ are their
 own A operands (a relabelling of registers, no shuffles).  Only tiles that cross the
 causal diagonal or the end of the keys or queries are masked: a runtime branch per step
-between two compiled copies of the Pᵀ codes, joined before dSᵀ, whose code both share.  dV's product runs in two column
-halves, the first issued before dSᵀ is computed so that it runs under that work (a whole
-[64, 128] part live next to dSᵀ's temporaries spills).
+between two compiled copies of the Pᵀ codes, joined before dSᵀ, whose code both share.
+dV's product runs in two column halves, the first issued before dSᵀ is computed so that
+it runs under that work (a whole [64, 128] part live next to dSᵀ's temporaries spills).
 
 Scope (``supports``): P mode direct, no bias, D = 64 or 128.  K and V contiguous, Q and
 dO any layout (``_padded_rows`` copies them where they are not contiguous rows in whole

@@ -255,8 +255,8 @@ def supports(do, delta, q, k, v, q_scale, ke_t, k_scale, ke_scale, row_ref, bias
 
 def dq_backward(do, do_scale, delta, q, k, v, q_scale, k_scale, v_scale, ke_t, ke_scale, row_ref, causal, dq):
     """dQ (as ``ke_scale`` scales it: ``ops.attention_bwd``) into ``dq`` [B, H, Nq, D]
-    (the strides ``supports`` accepts), for the calls ``supports`` accepts.  ``v`` is V row-major [B, Hkv, Nk,
-    D], ``ke_t`` the token-major E4M3 K [B, Hkv, D, Nk]; the rest as
+    for the calls (strides included) that ``supports`` accepts.  ``v`` is V row-major
+    [B, Hkv, Nk, D], ``ke_t`` the token-major E4M3 K [B, Hkv, D, Nk]; the rest as
     ``reference.attention_backward``, float32 scales and rows."""
     b, h, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]

@@ -98,9 +98,8 @@ def _e4m3(v):
 def _probability(x, t, m, EXP: gl.constexpr):
     """The E4M3 P operand of one tile, as the Triton kernel's _probability, from
     ``_scores``'s x and t, against the row references ``m``; t and m are [rows, 1].
-    Direct-P: ``_direct_p`` of the
-    integer scores with the bias of m; exp: exp2(x - m + 8) of the log2 scores, converted
-    by the cvt instruction."""
+    Direct-P: ``_direct_p`` of the integer scores with the bias of m; exp: exp2(x - m + 8)
+    of the log2 scores, converted by the cvt instruction."""
     if EXP:
         return _e4m3(gl.exp2(x - m + 8.0)).to(gl.float8e4nv, bitcast=True)
     return _direct_p(x, t * 0.03125, _direct_p_bias(m))
