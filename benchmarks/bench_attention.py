@@ -2,7 +2,7 @@
 
     python benchmarks/bench_attention.py [--ns 512 1024 ...] [--ds 64 128] [--training]
 
-(``--training``: causal forward + backward, see bench_training.py.)
+(``--training [--non-causal]``: forward + backward, see bench_training.py.)
 
 FlashAttention-3's grid: B * N = 16384 tokens, H * D = 2048, D in {64, 128},
 N in {512 .. 32k}, causal off and on.  Rows, all timed in the same run with
@@ -318,13 +318,18 @@ def main():
     ap.add_argument("--ns", type=int, nargs="*", default=[512, 1024, 2048, 4096, 8192, 16384, 32768])
     ap.add_argument("--ds", type=int, nargs="*", default=[128, 64])
     ap.add_argument("--training", action="store_true", help="causal forward+backward and backward alone")
-    ap.add_argument("--out", default=None, help="path stem (default benchmarks/results/forward_h200 or training_h200)")
+    ap.add_argument("--non-causal", action="store_true", help="with --training: no mask instead of causal")
+    ap.add_argument("--out", default=None, help="path stem (default benchmarks/results/forward_h200, "
+                                                 "training_h200 or training_noncausal_h200)")
     args = ap.parse_args()
-    out = args.out or os.path.join(C.RESULTS, "training_h200" if args.training else "forward_h200")
+    if args.non_causal and not args.training:
+        ap.error("--non-causal is for --training (the forward grid times both)")
+    stem = "training_noncausal_h200" if args.non_causal else "training_h200" if args.training else "forward_h200"
+    out = args.out or os.path.join(C.RESULTS, stem)
     if args.training:
         import bench_training
 
-        bench_training.run(args.ns, args.ds, out + ".json", out + ".png")
+        bench_training.run(args.ns, args.ds, not args.non_causal, out + ".json", out + ".png")
     else:
         run(args.ns, args.ds, out + ".json", out + ".png")
 

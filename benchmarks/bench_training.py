@@ -1,9 +1,10 @@
-"""Causal attention in training on Hopper: forward + backward and backward alone.
+"""Attention in training on Hopper: forward + backward and backward alone.
 
-    python benchmarks/bench_attention.py --training [--ns ...] [--ds 64 128]
+    python benchmarks/bench_attention.py --training [--non-causal] [--ns ...] [--ds 64 128]
 
-FlashAttention-3's grid (B * N = 16384, H * D = 2048), causal.  Rows, timed in the same
-run (triton do_bench medians):
+FlashAttention-3's grid (B * N = 16384, H * D = 2048), causal (``--non-causal``: without
+a mask, which gives the policy's table its non-causal training rates).  Rows, timed in
+the same run (triton do_bench medians):
   - ours: ``lowp_attention`` with the backward kernels, the quantization of Q/K/V and dO
     included, eagerly ("ours-direct": dO's quantization and
     the backward's other preparation run as separate aten kernels) and under
@@ -78,26 +79,26 @@ def _autograd(attend, cuda_graphs=False):
     return setup
 
 
-def _sdpa(backend_name):
+def _sdpa(backend_name, causal):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     backend = getattr(SDPBackend, backend_name)
 
     def attend(q, k, v):
         with sdpa_kernel(backend):
-            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
     return _autograd(attend)
 
 
-def _fa4():
+def _fa4(causal):
     try:
         from flash_attn.cute import flash_attn_func
     except ImportError:
         return BA.NOT_INSTALLED
 
     def attend(q, k, v):  # FA4 takes [B, N, H, D]
-        o = flash_attn_func(*(t.transpose(1, 2) for t in (q, k, v)), causal=True)
+        o = flash_attn_func(*(t.transpose(1, 2) for t in (q, k, v)), causal=causal)
         return (o[0] if isinstance(o, tuple) else o).transpose(1, 2)
 
     return _autograd(attend)
@@ -112,7 +113,7 @@ _AMAX_SETS = {"s": ("scale_s", "descale_s"), "o": ("scale_o", "descale_o"), "dP"
               "dQ": ("scale_dQ", None), "dK": ("scale_dK", None), "dV": ("scale_dV", None)}
 
 
-def _cudnn_fp8():
+def _cudnn_fp8(causal):
     try:
         import cudnn
     except ImportError:
@@ -149,7 +150,7 @@ def _cudnn_fp8():
         t = {name: declare(fwd, name, data[name], e4m3) for name in ("q", "k", "v")}
         fs = {name: declare(fwd, name, scalars[name], f32) for name in _FWD_SCALARS}
         o, st, amax_s, amax_o = fwd.sdpa_fp8(**t, **fs, is_inference=False, attn_scale=d**-0.5,
-                                             use_causal_mask=True)
+                                             use_causal_mask=causal)
         output(o, data["o"], e4m3)
         output(st, stats, f32)
         output(amax_s, amax["s"], f32)
@@ -162,7 +163,7 @@ def _cudnn_fp8():
         t = {name: declare(bwd, name, data[name], e4m3) for name in ("q", "k", "v", "o", "dO")}
         bs = {name: declare(bwd, name, scalars[name], f32) for name in _BWD_SCALARS}
         t_stats = declare(bwd, "stats", stats, f32)
-        outs = bwd.sdpa_fp8_backward(**t, stats=t_stats, **bs, attn_scale=d**-0.5, use_causal_mask=True)
+        outs = bwd.sdpa_fp8_backward(**t, stats=t_stats, **bs, attn_scale=d**-0.5, use_causal_mask=causal)
         dq, dk, dv, *amaxes = outs[:7]  # gradients, then the amaxes of dQ, dK, dV and dP
         for node, name in zip((dq, dk, dv), grads8):
             output(node, grads8[name], e4m3)
@@ -192,19 +193,19 @@ def _cudnn_fp8():
     return setup
 
 
-def methods():
+def methods(causal):
     def attend(q, k, v):
-        return lowp_attention(q, k, v, is_causal=True)
+        return lowp_attention(q, k, v, is_causal=causal)
 
     return {
         "ours-direct": _autograd(attend),
         "ours-direct-compiled": _autograd(torch.compile(attend, fullgraph=True, dynamic=False)),
         "ours-direct-graphs": _autograd(torch.compile(attend, fullgraph=True, dynamic=False, mode="reduce-overhead"),
                                         cuda_graphs=True),
-        "sdpa-cudnn-bf16": _sdpa("CUDNN_ATTENTION"),
-        "sdpa-flash-bf16": _sdpa("FLASH_ATTENTION"),
-        "fa4-bf16": _fa4(),
-        "cudnn-fp8": _cudnn_fp8(),
+        "sdpa-cudnn-bf16": _sdpa("CUDNN_ATTENTION", causal),
+        "sdpa-flash-bf16": _sdpa("FLASH_ATTENTION", causal),
+        "fa4-bf16": _fa4(causal),
+        "cudnn-fp8": _cudnn_fp8(causal),
     }
 
 
@@ -212,20 +213,20 @@ def _rel_l2(got, want):
     return ((got.double() - want.double()).norm() / want.double().norm()).item()
 
 
-def run(ns, ds, out_json, out_png):
+def run(ns, ds, causal, out_json, out_png):
     import triton
     from tqdm import tqdm
 
-    doc = {"env": C.environment(), "flops": "4*B*H*N^2*D/2 (causal) x 3.5 fwd+bwd, x 2.5 bwd",
+    doc = {"env": C.environment(), "flops": "4*B*H*N^2*D (half when causal) x 3.5 fwd+bwd, x 2.5 bwd",
            "timer": "triton.testing.do_bench(warmup=10 ms, rep=40 ms), median",
-           "grid": "B*N=16384, H*D=2048, causal", "results": []}
-    table = methods()
+           "grid": f"B*N=16384, H*D=2048, {'causal' if causal else 'non-causal'}", "results": []}
+    table = methods(causal)
     items = [(d, n) for d in ds for n in ns]
     bar = tqdm(total=len(items) * len(table), desc="training", unit="run", mininterval=10)
     signal.signal(signal.SIGTERM, BA._stop)
     try:
         for d, n in items:
-            _measure_shape(d, n, table, doc, bar, triton)
+            _measure_shape(d, n, causal, table, doc, bar, triton)
             BA.save(doc, out_json)
     except KeyboardInterrupt:
         print("\nstopped early: writing what was measured", flush=True)
@@ -235,17 +236,17 @@ def run(ns, ds, out_json, out_png):
     print_table(doc)
 
 
-def _measure_shape(d, n, table, doc, bar, triton):
+def _measure_shape(d, n, causal, table, doc, bar, triton):
     b, h = C.fa3_shape(n, d)
     torch.manual_seed(n * 131 + d)
     leaves = [torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3)]
     dout = torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16)
     ref_in = [t.detach().float().requires_grad_() for t in leaves]
-    torch.nn.functional.scaled_dot_product_attention(*ref_in, is_causal=True).backward(dout.float())
+    torch.nn.functional.scaled_dot_product_attention(*ref_in, is_causal=causal).backward(dout.float())
     ref = [t.grad for t in ref_in]
-    fwd_flops = C.attention_flops(b, h, n, n, d, True)
+    fwd_flops = C.attention_flops(b, h, n, n, d, causal)
     for name, setup in table.items():
-        rows = [dict(method=name, d=d, n=n, b=b, h=h, causal=True, **{"pass": p}) for p in PASSES]
+        rows = [dict(method=name, d=d, n=n, b=b, h=h, causal=causal, **{"pass": p}) for p in PASSES]
         try:
             if setup == BA.NOT_INSTALLED:
                 for row in rows:
@@ -272,12 +273,17 @@ def _time_method(setup, leaves, dout, ref, fwd_flops, rows, triton):
         row.update(status="ok", ms=ms, tflops=fwd_flops * PASSES[row["pass"]] / ms * 1e-9, grad_rel_l2=rel)
 
 
+def _kind(doc):
+    return "causal" if all(r["causal"] for r in doc["results"]) else "non-causal"
+
+
 def print_table(doc):
     res = [r for r in doc["results"] if r.get("status") == "ok"]
     ns = sorted({r["n"] for r in doc["results"]})
+    kind = _kind(doc)
     for d in sorted({r["d"] for r in doc["results"]}):
         for p in PASSES:
-            print(f"\nTFLOP/s, causal {p}, D={d}   (worst of dQ/dK/dV rel-L2 vs fp32 at the largest N)")
+            print(f"\nTFLOP/s, {kind} {p}, D={d}   (worst of dQ/dK/dV rel-L2 vs fp32 at the largest N)")
             print(f"{'method':18s}" + "".join(f"{n:>8d}" for n in ns) + "   rel-L2")
             for name in dict.fromkeys(r["method"] for r in doc["results"]):
                 cells, acc = [], ""
@@ -303,7 +309,7 @@ def plot(doc, path):
             pts = sorted((r["n"], r["tflops"]) for r in res if (r["method"], r["d"], r["pass"]) == (name, d, p))
             ax.plot([x for x, _ in pts], [y for _, y in pts], "-" if name.startswith("ours") else ":", marker="o",
                     ms=3, label=name)
-        ax.set(xscale="log", title=f"causal {p}, D={d}", xlabel="sequence length N", ylabel="TFLOP/s")
+        ax.set(xscale="log", title=f"{_kind(doc)} {p}, D={d}", xlabel="sequence length N", ylabel="TFLOP/s")
         ax.set_xscale("log", base=2)
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=7)

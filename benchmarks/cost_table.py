@@ -1,17 +1,20 @@
 """Turn benchmark JSONs into the policy's cost table for that GPU.
 
-    python benchmarks/cost_table.py benchmarks/results/forward_h200.json [benchmarks/results/training_h200.json]
+    python benchmarks/cost_table.py benchmarks/results/forward_h200.json \
+        [benchmarks/results/training_h200.json benchmarks/results/training_noncausal_h200.json]
 
 Writes fp4_inductor/tables/<gpu>.json: TFLOP/s per path, head dim, causality and mode,
 at each measured N.  Forward: low precision is charged with its quantization pass
 ("+quant" rows: the conservative case where Inductor finds no producer to fuse it
 into); BF16 is the faster of torch SDPA's cuDNN and flash backends, so the policy never
-assumes a slower fallback than the user would get.  Training (causal fwd+bwd, from
-``bench_attention.py --training``): our Triton backward against the same SDPA backends.
+assumes a slower fallback than the user would get.  Training (fwd+bwd, from
+``bench_attention.py --training [--non-causal]``): our compiled forward + backward against
+the same SDPA backends.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from collections import defaultdict
@@ -19,6 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from fp4_inductor import policy  # noqa: E402
+
 PATHS = {"fp8": ["ours-direct+quant"], "fp4": ["ours-fp4+quant"], "bf16": ["sdpa-cudnn-bf16", "sdpa-flash-bf16"]}
 TRAINING_PATHS = {"fp8": ["ours-direct-compiled"], "bf16": ["sdpa-cudnn-bf16", "sdpa-flash-bf16"]}
 # Fixed cost of the low-precision path's extra kernels (quantization of Q, K, V and K's
@@ -37,19 +41,19 @@ def _add_rates(rates, rows, paths, mode):
                 rates[name][key][str(row["n"])] = round(max(best, row["tflops"]), 1)
 
 
-def main(forward: str, training: str | None = None) -> None:
-    docs = {"fwd": json.loads(Path(forward).read_text())}
-    if training:
-        docs["train"] = json.loads(Path(training).read_text())
+def main(forward: str, *training: str) -> None:
+    """``training``: ``bench_attention.py --training`` JSONs (causal, and non-causal with
+    ``--non-causal``); their rows are keyed by their own causality."""
+    docs = [("fwd", forward, json.loads(Path(forward).read_text()))]
+    docs += [("train", path, json.loads(Path(path).read_text())) for path in training]
     rates: dict = defaultdict(lambda: defaultdict(dict))
-    for mode, doc in docs.items():
+    for mode, _, doc in docs:
         _add_rates(rates, doc["results"], PATHS if mode == "fwd" else TRAINING_PATHS, mode)
-    gpu = docs["fwd"]["env"]["device"]
-    sources = [forward] + ([training] if training else [])
+    gpu = docs[0][2]["env"]["device"]
     table = {
         "gpu": gpu,
-        "source": "; ".join(f"{Path(p).name} ({d['env'].get('date', '')}, torch {d['env'].get('torch', '')})"
-                            for p, d in zip(sources, docs.values())),
+        "source": "; ".join(f"{Path(path).name} ({doc['env'].get('date', '')}, torch {doc['env'].get('torch', '')})"
+                            for _, path, doc in docs),
         "launch_us": LAUNCH_US,
         "tflops": rates,
     }
@@ -60,4 +64,8 @@ def main(forward: str, training: str | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("forward", help="bench_attention.py's forward JSON")
+    ap.add_argument("training", nargs="*", help="bench_attention.py --training JSONs (causal, non-causal)")
+    args = ap.parse_args()
+    main(args.forward, *args.training)

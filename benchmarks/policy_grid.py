@@ -11,6 +11,8 @@ model's (``policy.cost_model_decision``) over the shipped table for this GPU, wh
 measured by bench_attention.py, not by this script.  Targets (issue 5): the faster path
 for >= 95 % of shapes, never more than 3 % slower than it.
 Writes benchmarks/results/policy_grid_<device>.json and .png (the decision map).
+``--rescore JSON``: judge a grid timed earlier with the table shipped now (after the
+table is rebuilt), without a GPU.
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ import statistics
 import sys
 
 import torch
-from triton.testing import do_bench
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from fp4_inductor import policy  # noqa: E402
@@ -50,6 +51,8 @@ def measure(shape) -> dict[str, float]:
     dout = torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16)
     paths = {"bf16": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal),
              "fp8": lambda: lowp_attention(q, k, v, is_causal=causal)}
+    from triton.testing import do_bench
+
     runs, outputs = {}, {}
     for name, fn in paths.items():
         if training:
@@ -95,49 +98,79 @@ def plot(doc, path):
             ax.set(xscale="log", yscale="log", title=f"{mode}, D={d}", xlabel="N", ylabel="B*H")
             ax.grid(True, alpha=0.3)
     s = doc["summary"]
-    fig.suptitle(f"auto policy on {doc['env']['device']} ({doc['env']['date'][:10]}): colour = pick (orange fp8, blue BF16), "
+    when = doc["env"]["date"][:16] + (f", picks rescored {doc['env']['rescored'][:16]}" if "rescored" in doc["env"] else "")
+    fig.suptitle(f"auto policy on {doc['env']['device']} ({when}): colour = pick (orange fp8, blue BF16), "
                  f"red edge = slower pick; label = BF16/fp8 time\n{s['right']}/{s['shapes']} faster path picked, "
                  f"worst pick {100 * s['worst_regret']:.1f} % slower; circle = full, triangle = causal", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
 
-def main():
+def judge(row, model, gpu):
+    """The cost model's pick for a timed grid row, and how much slower it is than the
+    faster path (the timings do not depend on the table, so a row can be judged again)."""
+    site = policy.SiteShape(row["b"], row["h"], row["h"], row["n"], row["n"], row["d"], row["causal"], row["training"])
+    decision = policy.cost_model_decision(site, "fp8", model, gpu)
+    row.update(pick=decision.path, reason=decision.reason, predicted_speedup=decision.predicted_speedup)
+    row["regret"] = row[f"{row['pick']}_ms"] / min(row["bf16_ms"], row["fp8_ms"]) - 1
+
+
+def summarize(rows):
+    right = sum(r["regret"] == 0 for r in rows)
+    return {"shapes": len(rows), "right": right, "within_3pct": sum(r["regret"] <= TOLERANCE for r in rows),
+            "worst_regret": max(r["regret"] for r in rows),
+            "fp8_faster": sum(r["fp8_ms"] < r["bf16_ms"] for r in rows),
+            "target_met": right >= 0.95 * len(rows) and all(r["regret"] <= TOLERANCE for r in rows)}
+
+
+def measure_grid():
     from tqdm import tqdm
 
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "policy_grid_h200"))
-    args = ap.parse_args()
     gpu = torch.cuda.get_device_name()
     model = policy.cost_model(torch.device("cuda", torch.cuda.current_device()))
     rows = []
     for shape in tqdm(list(grid()), desc="policy grid", unit="shape"):
-        site = policy.SiteShape(shape["b"], shape["h"], shape["h"], shape["n"], shape["n"], shape["d"],
-                                shape["causal"], shape["training"])
-        decision = policy.cost_model_decision(site, "fp8", model, gpu)
-        row = {**shape, **measure(shape), "pick": decision.path, "reason": decision.reason,
-               "predicted_speedup": decision.predicted_speedup}
-        best = min(row["bf16_ms"], row["fp8_ms"])
-        row["regret"] = row[f"{row['pick']}_ms"] / best - 1
+        row = {**shape, **measure(shape)}
+        judge(row, model, gpu)
         rows.append(row)
         torch.cuda.empty_cache()
-    right = sum(r["regret"] == 0 for r in rows)
-    summary = {"shapes": len(rows), "right": right, "within_3pct": sum(r["regret"] <= TOLERANCE for r in rows),
-               "worst_regret": max(r["regret"] for r in rows),
-               "fp8_faster": sum(r["fp8_ms"] < r["bf16_ms"] for r in rows),
-               "target_met": right >= 0.95 * len(rows) and all(r["regret"] <= TOLERANCE for r in rows)}
-    env = {"device": gpu, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "torch": torch.__version__, "table": model.source if model else None}
-    doc = {"env": env, "summary": summary, "rows": rows}
+    env = {"device": gpu, "date": _now(), "torch": torch.__version__, "table": model.source if model else None}
+    return {"env": env, "summary": summarize(rows), "rows": rows}
+
+
+def rescore(path):
+    """A grid timed earlier, judged by the table now shipped for its GPU (no GPU needed)."""
+    with open(path) as f:
+        doc = json.load(f)
+    gpu = doc["env"]["device"]
+    model = policy.table_for(gpu)
+    for row in doc["rows"]:
+        judge(row, model, gpu)
+    doc["env"].update(rescored=_now(), table=model.source if model else None)
+    doc["summary"] = summarize(doc["rows"])
+    return doc
+
+
+def _now():
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "policy_grid_h200"))
+    ap.add_argument("--rescore", metavar="JSON", help="judge a grid timed earlier with the current table instead of timing one")
+    args = ap.parse_args()
+    doc = rescore(args.rescore) if args.rescore else measure_grid()
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out + ".json", "w") as f:
         json.dump(doc, f, indent=1)
     plot(doc, args.out + ".png")
+    rows = doc["rows"]
     print(f"{'mode':5} {'d':>3} {'B':>3} {'H':>3} {'N':>6} {'c':1} {'bf16 ms':>8} {'fp8 ms':>8} {'x':>5} {'pick':>4} {'regret':>6}")
     for r in rows:
         print(f"{'train' if r['training'] else 'fwd':5} {r['d']:3} {r['b']:3} {r['h']:3} {r['n']:6} {'c' if r['causal'] else 'f'} "
               f"{r['bf16_ms']:8.3f} {r['fp8_ms']:8.3f} {r['bf16_ms'] / r['fp8_ms']:5.2f} {r['pick']:>4} {100 * r['regret']:5.1f}%")
-    print(json.dumps(summary))
+    print(json.dumps(doc["summary"]))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """benchmarks/cost_table.py turns benchmark JSONs into the policy's table: which rows it
-takes for each path, and that the policy then decides what those rows imply.  Synthetic
-rows with random rates; no GPU needed."""
+takes for each path, and that the policy then decides what those rows imply; and
+policy_grid.py --rescore judges a timed grid with the table shipped now.  Synthetic rows
+with random rates; no GPU needed."""
 
 import dataclasses
 import importlib.util
@@ -12,11 +13,11 @@ import pytest
 
 from fp4_inductor import policy
 
-COST_TABLE = Path(__file__).resolve().parent.parent / "benchmarks" / "cost_table.py"
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
-def _cost_table():
-    spec = importlib.util.spec_from_file_location("cost_table", COST_TABLE)
+def _script(name):
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -50,20 +51,28 @@ def test_table_takes_the_charged_fp8_rows_and_the_faster_bf16_backend(tmp_path, 
         _row("sdpa-cudnn-bf16", 128, 32768, True, train_cudnn, **{"pass": "fwd+bwd"}),
         _row("ours-direct", 128, 32768, True, 5000.0, **{"pass": "fwd+bwd"}),  # eager: not what a compile runs
     ]
-    fwd_path, train_path = tmp_path / "forward.json", tmp_path / "training.json"
-    fwd_path.write_text(json.dumps(_doc(forward, "2026-01-01")))
-    train_path.write_text(json.dumps(_doc(training, "2026-01-02")))
+    full_cudnn = rng.uniform(100, 900)
+    full_ours = full_cudnn * rng.uniform(0.7, 1.05)  # short of the margin
+    training_full = [  # bench_attention.py --training --non-causal
+        _row("ours-direct-compiled", 128, 32768, False, full_ours, **{"pass": "fwd+bwd"}),
+        _row("sdpa-cudnn-bf16", 128, 32768, False, full_cudnn, **{"pass": "fwd+bwd"}),
+    ]
+    paths = [tmp_path / f"{name}.json" for name in ("forward", "training", "training_full")]
+    for path, rows, date in zip(paths, (forward, training, training_full), ("2026-01-01", "2026-01-02", "2026-01-03")):
+        path.write_text(json.dumps(_doc(rows, date)))
     out = tmp_path / "tables" / "test_gpu.json"
     monkeypatch.setattr(policy, "table_path", lambda gpu: out)
 
-    _cost_table().main(str(fwd_path), str(train_path))
+    _script("cost_table").main(*map(str, paths))
 
     doc = json.loads(out.read_text())
-    assert doc["gpu"] == "Test GPU" and "2026-01-01" in doc["source"] and "2026-01-02" in doc["source"]
+    assert doc["gpu"] == "Test GPU" and all(f"2026-01-0{i}" in doc["source"] for i in (1, 2, 3))
     assert doc["tflops"]["fp8"] == {"d128/full/fwd": {"4096": round(quant, 1)},
-                                    "d128/causal/train": {"32768": round(train_ours, 1)}}
+                                    "d128/causal/train": {"32768": round(train_ours, 1)},
+                                    "d128/full/train": {"32768": round(full_ours, 1)}}
     assert doc["tflops"]["bf16"] == {"d128/full/fwd": {"4096": round(max(cudnn, flash), 1)},
-                                     "d128/causal/train": {"32768": round(train_cudnn, 1)}}
+                                     "d128/causal/train": {"32768": round(train_cudnn, 1)},
+                                     "d128/full/train": {"32768": round(full_cudnn, 1)}}
 
     table = policy.CostTable.from_json(out.read_text())
     shape = policy.SiteShape(b=1, h=16, hkv=16, nq=32768, nk=32768, d=128, causal=True, training=True)
@@ -72,6 +81,37 @@ def test_table_takes_the_charged_fp8_rows_and_the_faster_bf16_backend(tmp_path, 
                                                        + table.launch_us * 1e-6)
     assert table.speedup(shape, "fp8") == pytest.approx(want)
     assert policy.cost_model_decision(shape, "fp8", table, "Test GPU").path == "fp8"
-    # Non-causal training was not measured: no rate, so BF16.
+    # Non-causal training from its own run: measured short of the margin, so BF16 with a ratio.
     full = policy.cost_model_decision(dataclasses.replace(shape, causal=False), "fp8", table, "Test GPU")
-    assert full.path == "bf16" and "no rate" in full.reason
+    assert full.path == "bf16" and "no rate" not in full.reason
+    # A head dim whose training was not measured: no rate, so BF16.
+    d64 = policy.cost_model_decision(dataclasses.replace(shape, d=64), "fp8", table, "Test GPU")
+    assert d64.path == "bf16" and "no rate" in d64.reason
+
+
+def test_rescore_judges_the_timed_rows_with_the_shipped_table(tmp_path, monkeypatch, fresh_seed):
+    rng = random.Random(fresh_seed)
+    bf16_rate = rng.uniform(100, 900)
+    table = policy.CostTable(gpu="Test GPU", launch_us=0.0, source="rebuilt",
+                             rates={"fp8": {"d128/full/train": [(1024, bf16_rate * 1.5)]},
+                                    "bf16": {"d128/full/train": [(1024, bf16_rate)]}})
+    monkeypatch.setattr(policy, "table_for", lambda gpu: table if gpu == "Test GPU" else None)
+    bf16_ms, fp8_slower, fp8_faster = rng.uniform(1, 5), rng.uniform(1.05, 2), rng.uniform(0.5, 0.95)
+    shape = dict(b=1, h=8, n=4096, causal=False, training=True)
+    rows = [  # timed under an older table that picked BF16 everywhere
+        dict(shape, d=128, bf16_ms=bf16_ms, fp8_ms=bf16_ms * fp8_faster, pick="bf16", regret=1 / fp8_faster - 1),
+        dict(shape, d=64, bf16_ms=bf16_ms, fp8_ms=bf16_ms * fp8_slower, pick="bf16", regret=0.0),
+    ]
+    grid = tmp_path / "grid.json"
+    grid.write_text(json.dumps({"env": {"device": "Test GPU", "date": "2026-01-01T00:00:00"}, "summary": {},
+                                "rows": rows}))
+
+    doc = _script("policy_grid").rescore(grid)
+
+    rescored = {row["d"]: row for row in doc["rows"]}
+    assert rescored[128]["pick"] == "fp8" and rescored[128]["regret"] == 0
+    assert rescored[128]["predicted_speedup"] == pytest.approx(1.5)
+    assert rescored[64]["pick"] == "bf16" and "no rate" in rescored[64]["reason"]
+    assert rescored[64]["bf16_ms"] == bf16_ms and rescored[64]["fp8_ms"] == bf16_ms * fp8_slower  # timings kept
+    assert doc["summary"]["right"] == 2 and doc["summary"]["worst_regret"] == 0
+    assert doc["env"]["table"] == "rebuilt" and doc["env"]["date"] == "2026-01-01T00:00:00" and "rescored" in doc["env"]
