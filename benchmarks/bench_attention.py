@@ -317,7 +317,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ns", type=int, nargs="*", default=[512, 1024, 2048, 4096, 8192, 16384, 32768])
     ap.add_argument("--ds", type=int, nargs="*", default=[128, 64])
-    ap.add_argument("--training", action="store_true", help="causal forward+backward and backward alone")
+    ap.add_argument("--training", action="store_true", help="forward+backward and backward alone, causal")
     ap.add_argument("--non-causal", action="store_true", help="with --training: no mask instead of causal")
     ap.add_argument("--out", default=None, help="path stem (default benchmarks/results/forward_h200, "
                                                  "training_h200 or training_noncausal_h200)")

@@ -46,13 +46,13 @@ def grid():
 
 
 def measure(shape) -> dict[str, float]:
+    from triton.testing import do_bench  # only timing needs Triton (--rescore does not)
+
     b, h, n, d, causal, training = (shape[k] for k in ("b", "h", "n", "d", "causal", "training"))
     q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=training) for _ in range(3))
     dout = torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16)
     paths = {"bf16": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal),
              "fp8": lambda: lowp_attention(q, k, v, is_causal=causal)}
-    from triton.testing import do_bench
-
     runs, outputs = {}, {}
     for name, fn in paths.items():
         if training:
