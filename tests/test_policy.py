@@ -71,6 +71,9 @@ def test_cost_model_picks_low_precision_only_where_faster(fake_gpu):
 
 def test_missing_table_or_rate_keeps_bf16(fake_gpu, monkeypatch):
     assert "no rate" in policy.decide(_site(d=64), Options()).reason
+    # fp4 has no rate in TABLE: fp8's rate, where fp8 wins, must not stand in for it.
+    fp4 = policy.decide(_site(n=4096), Options(fmt="fp4"))
+    assert fp4.path == "bf16" and "no rate" in fp4.reason
     monkeypatch.setattr(policy, "table_for", lambda gpu: None)
     decision = policy.decide(_site(), Options())
     assert decision.path == "bf16" and "no measured cost table for Test GPU" in decision.reason
