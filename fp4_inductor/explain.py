@@ -8,6 +8,7 @@ import torch
 
 from . import config
 from .compiler import SiteRecord, rewrite
+from .tuning import run_once
 
 
 @dataclasses.dataclass
@@ -41,7 +42,8 @@ class Report:
 def explain(model_or_fn, *args, policy: str | None = None, fmt: str | None = None, **kwargs) -> Report:
     """Compile ``model_or_fn`` with the fp4attn rewrite, run it once on ``args``/``kwargs``
     and report every attention site.  The rewritten graphs run eagerly (no Inductor
-    compile), so this is quick; the decisions are the ones ``backend="fp4attn"`` makes."""
+    compile), so this is quick; the decisions are the ones ``backend="fp4attn"`` makes.
+    Resets Dynamo's caches, as ``torch._dynamo.explain`` does (``tuning.run_once``)."""
     options = config.current().replace(policy=policy, fmt=fmt)
     records: list[SiteRecord] = []
 
@@ -49,5 +51,5 @@ def explain(model_or_fn, *args, policy: str | None = None, fmt: str | None = Non
         records.extend(rewrite(gm, options))
         return gm.forward
 
-    torch.compile(model_or_fn, backend=recording_backend)(*args, **kwargs)
+    run_once(model_or_fn, recording_backend, *args, **kwargs)
     return Report(records)

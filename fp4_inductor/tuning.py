@@ -156,12 +156,26 @@ def _probe(q, k, v, attn_mask=None, scale=None, is_causal=False, *, fmt, p_mode,
     return ref.detach()
 
 
+def run_once(model_or_fn, backend, *args, **kwargs) -> None:
+    """Run ``model_or_fn`` once under Dynamo with ``backend``: the probe of ``explain()``
+    and ``tune()``.  As ``torch._dynamo.explain`` does, Dynamo's caches are reset before
+    (a cached frame would skip the backend) and after: each probe's frames would
+    otherwise count toward Dynamo's recompile limit on the model's ``forward``, past which
+    compiled models silently run eagerly.  Models compiled before recompile on their next call."""
+    torch._dynamo.reset()
+    try:
+        torch.compile(model_or_fn, backend=backend)(*args, **kwargs)
+    finally:
+        torch._dynamo.reset()
+
+
 def tune(model_or_fn, *args, fmt: str | None = None, min_cosine: float | None = None, rep_ms: int = 100,
          **kwargs) -> list[TuneResult]:
     """Time every supported attention site of ``model_or_fn(*args, **kwargs)`` on this GPU
     in BF16 and in low precision, keep low precision where it is faster and at least
     ``min_cosine`` accurate (cosine of the site's output vs BF16 on the real activations),
-    and store the decisions for later compiles (``policy="auto"``)."""
+    and store the decisions for later compiles (``policy="auto"``).  Resets Dynamo's
+    caches (``run_once``)."""
     gpu = _gpu_name()
     options = config.current().replace(fmt=fmt, min_cosine=min_cosine, policy="always")
     measured: dict = {}
@@ -187,7 +201,7 @@ def tune(model_or_fn, *args, fmt: str | None = None, min_cosine: float | None = 
         gm.recompile()
         return gm.forward
 
-    torch.compile(model_or_fn, backend=probing_backend)(*args, **kwargs)
+    run_once(model_or_fn, probing_backend, *args, **kwargs)
     save_decisions(gpu, measured)
     for result in results:
         result.entry = measured.get(result.key, {})

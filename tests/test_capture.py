@@ -69,6 +69,19 @@ def test_traps_stay_exact(variant):
     assert torch.equal(ours, default)
 
 
+def test_explain_again_and_again_leaves_later_compiles_working():
+    # Every probe compiles the model's forward anew; kept in Dynamo's cache, more of them
+    # than its recompile limit would make a later compile run the model eagerly.
+    variant = CAPTURED[0]
+    x = _input(variant())
+    for _ in range(torch._dynamo.config.recompile_limit + 2):
+        report = fp4_inductor.explain(variant().eval(), x, policy="always")
+        assert [s.path for s in report.sites] == ["fp8"]
+    with torch.no_grad(), fp4_inductor.configure(policy="always"):
+        _, calls = op_calls(torch.compile(variant().eval(), backend="fp4attn"), x)
+    assert calls == {"fwd": 1, "bwd": 0}
+
+
 def test_sdpa_dropout_in_training_falls_back():
     module = SdpaDropoutEval().train()
     report = fp4_inductor.explain(module, torch.randn(B, N, C), policy="always")
