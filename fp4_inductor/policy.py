@@ -280,19 +280,28 @@ def decide(site: Site, options: Options, tuned: dict | None = None) -> Decision:
     if not has_forward_kernel(device):
         return Decision("bf16", "no low-precision kernel for this device")
     shape = site_shape(site)
+    keys, queries = site.key_length(), site.query_length()
+    dynamic_keys, dynamic_queries = isinstance(keys, torch.SymInt), isinstance(queries, torch.SymInt)
     key = site_key(shape, options.fmt)
-    if tuned and key in tuned:
+    if tuned and key in tuned and not (dynamic_keys or dynamic_queries):  # measured at this one shape
         entry = tuned[key]
         return Decision(entry["path"], f"tuned on this GPU: {entry['speedup']:.2f}x, cosine {entry['cosine']:.4f}",
                         entry["speedup"])
     gpu = torch.cuda.get_device_name(device)
     model = cost_model(device)
     decision = cost_model_decision(shape, options.fmt, model, gpu)
-    length = site.key_length()
-    if decision.predicted_speedup is None or not isinstance(length, torch.SymInt):
+    if decision.predicted_speedup is None or not (dynamic_keys or dynamic_queries):
         return decision
-    threshold = crossover_length(shape, options.fmt, model,
-                                 queries_follow=isinstance(site.query_length(), torch.SymInt))
+    if not dynamic_keys:
+        # Only the queries vary (a fixed cache): guard on their crossover; a later query
+        # length on the other side recompiles with the other path.
+        threshold = crossover_length(shape, options.fmt, model, vary="queries")
+        if threshold is None:
+            return decision
+        return _verdict(options.fmt, decision.predicted_speedup, bool(queries >= threshold),
+                        f"; {options.fmt} from {threshold} queries (a size across the crossover recompiles)",
+                        model.label)
+    threshold = crossover_length(shape, options.fmt, model, vary="both" if dynamic_queries else "keys")
     if threshold is None:
         return decision
     if not shape.training:
@@ -301,7 +310,7 @@ def decide(site: Site, options: Options, tuned: dict | None = None) -> Decision:
                         decision.predicted_speedup, min_keys=threshold)
     # The run-time branch has no autograd, so training guards on the symbolic length: a
     # later size on the other side of the crossover recompiles with the other path.
-    return _verdict(options.fmt, decision.predicted_speedup, bool(length >= threshold),
+    return _verdict(options.fmt, decision.predicted_speedup, bool(keys >= threshold),
                     f"; {options.fmt} from {threshold} keys (a size across the crossover recompiles)", model.label)
 
 
@@ -331,14 +340,20 @@ _CROSSOVER_GRID = tuple(2**i for i in range(4, 21))
 
 
 def crossover_length(shape: SiteShape, fmt: str, model: "CostTable | AnalyticModel",
-                     queries_follow: bool = True) -> int | None:
-    """The smallest key length (on a power-of-two grid) from which low precision is
-    predicted to win at every longer length; None if never.  ``queries_follow``: the
-    query length grows with the key length (prefill, training); else it stays (decode)."""
+                     vary: str = "both") -> int | None:
+    """The smallest length (on a power-of-two grid) from which low precision is predicted
+    to win at every longer length; None if never.  ``vary``: which lengths grow, the other
+    staying as in ``shape``: ``"both"`` (prefill, training: queries in proportion to
+    keys; the length returned is the keys'), ``"keys"`` (decode: a growing cache, fixed
+    queries) or ``"queries"`` (a fixed cache, chunked or speculative queries; the length
+    returned is the queries')."""
     threshold = None
     for n in reversed(_CROSSOVER_GRID):
-        nq = max(1, round(shape.nq * n / shape.nk)) if queries_follow else shape.nq
-        scaled = dataclasses.replace(shape, nk=n, nq=nq)
+        if vary == "queries":
+            scaled = dataclasses.replace(shape, nq=n)
+        else:
+            nq = max(1, round(shape.nq * n / shape.nk)) if vary == "both" else shape.nq
+            scaled = dataclasses.replace(shape, nk=n, nq=nq)
         speedup = model.speedup(scaled, fmt)
         if speedup is None or speedup < MIN_SPEEDUP:
             break

@@ -224,8 +224,56 @@ def test_crossover_keeps_a_fixed_query_length():
     less work than prefill of the same key length: its crossover lies further out."""
     table = policy.CostTable.from_json(json.dumps(TABLE))
     decode = policy.SiteShape(8, 32, 32, 16, 4096, 128, False, False)
-    assert policy.crossover_length(decode, "fp8", table, queries_follow=True) == 16384
-    assert policy.crossover_length(decode, "fp8", table, queries_follow=False) == 32768
+    assert policy.crossover_length(decode, "fp8", table, vary="both") == 16384
+    assert policy.crossover_length(decode, "fp8", table, vary="keys") == 32768
+
+
+def test_tuned_decision_does_not_fix_a_dynamic_length(crossover_2k):
+    """tune() measured one shape; under dynamic shapes the length decides per call."""
+    decisions = []
+
+    def capture(gm, example_inputs):
+        for site in find_sites(gm.graph):
+            tuned = {policy.site_key(policy.site_shape(site), "fp8"): _entry(path="bf16", speedup=0.9)}
+            decisions.append(policy.decide(site, Options(), tuned))
+        return gm.forward
+
+    torch._dynamo.reset()
+    q, k, v = (torch.randn(1, 2, 4096, 128) for _ in range(3))
+    torch.compile(_sdpa_fn, backend=capture, dynamic=True)(q, k, v)
+    (decision,) = decisions
+    assert decision.min_keys == crossover_2k and not decision.reason.startswith("tuned")
+
+
+def test_dynamic_query_length_with_fixed_keys_guards_at_its_crossover(fake_gpu, monkeypatch):
+    """A fixed cache with a varying number of queries (chunked prefill, speculative
+    decoding): the query length decides, through a guard, as few queries pay the launch
+    costs over little work."""
+    slow = {"launch_us": 1000.0, "tflops": {"bf16": {"d128/full/fwd": {"256": 0.01}},
+                                           "fp8": {"d128/full/fwd": {"256": 0.02}}}}
+    table = policy.CostTable.from_json(json.dumps({**TABLE, **slow}))
+    monkeypatch.setattr(policy, "table_for", lambda gpu: table)
+    threshold = policy.crossover_length(policy.SiteShape(1, 2, 2, 256, 256, 128, False, False), "fp8", table,
+                                        vary="queries")
+    assert 16 < threshold < 256
+    torch._dynamo.reset()
+    graphs, reasons = [], []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        reasons.extend(policy.decide(site, Options()).reason for site in find_sites(gm.graph))
+        return fp4_inductor.backend()(gm, example_inputs)
+
+    compiled = torch.compile(_sdpa_fn, backend=counting)
+    k, v = torch.randn(1, 2, 256, 128), torch.randn(1, 2, 256, 128)
+    sizes = (threshold * 2, 24, threshold, threshold - 8, 200)
+    ran_op = []
+    for n in sizes:
+        q = torch.randn(1, 2, n, 128)
+        torch._dynamo.mark_dynamic(q, 2)
+        ran_op.append(op_calls(compiled, q, k, v)[1]["fwd"] == 1)
+    assert ran_op == [n >= threshold for n in sizes]
+    assert len(graphs) == 2 and all(f"fp8 from {threshold} queries" in reason for reason in reasons)
 
 
 def test_run_time_branch_is_inference_only():
