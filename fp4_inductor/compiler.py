@@ -68,8 +68,8 @@ class AttentionRewritePass(CustomGraphPass):
             decision = decide(site, self.options, tuned)
             self.records.append(_record(site, decision))
             if decision.low_precision:
-                p_mode = self.options.p_mode if self.options.fmt == "fp8" else None
-                replace_site(graph, site, decision.path, p_mode, min_keys=decision.min_keys)
+                replace_site(graph, site, decision.path, self.options.p_mode_for(decision.path),
+                             min_keys=decision.min_keys)
 
     def uuid(self) -> str:
         return hashlib.sha256(f"{_source_digest()}:{self.options!r}".encode()).hexdigest()

@@ -39,6 +39,10 @@ class Options:
         if not 0.0 <= self.min_cosine <= 1.0:
             raise ValueError(f"min_cosine must lie in [0, 1], got {self.min_cosine}")
 
+    def p_mode_for(self, path: str) -> str | None:
+        """The P mode a site taking ``path`` runs: ``p_mode`` is fp8's option; fp4 has its own."""
+        return self.p_mode if path == "fp8" else None
+
     def replace(self, **changes) -> "Options":
         if isinstance(changes.get("overrides"), dict):
             changes["overrides"] = tuple(changes["overrides"].items())

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
-
 from . import config
 from .compiler import SiteRecord, rewrite
 from .tuning import run_once

@@ -282,7 +282,7 @@ def decide(site: Site, options: Options, tuned: dict | None = None) -> Decision:
     shape = site_shape(site)
     keys, queries = site.key_length(), site.query_length()
     dynamic_keys, dynamic_queries = isinstance(keys, torch.SymInt), isinstance(queries, torch.SymInt)
-    key = site_key(shape, options.fmt)
+    key = site_key(site, options.fmt, options.p_mode_for(options.fmt))
     if tuned and key in tuned and not (dynamic_keys or dynamic_queries):  # measured at this one shape
         entry = tuned[key]
         return Decision(entry["path"], f"tuned on this GPU: {entry['speedup']:.2f}x, cosine {entry['cosine']:.4f}",
@@ -361,9 +361,11 @@ def crossover_length(shape: SiteShape, fmt: str, model: "CostTable | AnalyticMod
     return threshold
 
 
-def site_key(shape: SiteShape, fmt: str) -> str:
-    """Identity of a site's shape in the tuning cache."""
-    s = shape
-    mode = "train" if s.training else "fwd"
-    causal = "causal" if s.causal else "full"
-    return f"{fmt}/b{s.b}/h{s.h}/kv{s.hkv}/q{s.nq}/k{s.nk}/d{s.d}/{causal}/{mode}"
+def site_key(site: Site, fmt: str, p_mode: str | None) -> str:
+    """Identity of a site in the tuning cache: everything its timing and accuracy depend
+    on (shape, causality, training, dtype, an added mask, the format and its P mode)."""
+    s = site_shape(site)
+    dtype = str(value(site.q).dtype).removeprefix("torch.")
+    masked = site.attn_mask is not None or bool(site.bias_terms or site.keep_masks or site.drop_masks)
+    return (f"{fmt}/{p_mode or 'default'}/{dtype}/b{s.b}/h{s.h}/kv{s.hkv}/q{s.nq}/k{s.nk}/d{s.d}/"
+            f"{'masked' if masked else 'unmasked'}/{'causal' if s.causal else 'full'}/{'train' if s.training else 'fwd'}")

@@ -22,9 +22,9 @@ import torch
 from . import __version__, config
 from .attention import lowp_attention
 from .patterns import find_sites, replace_site
-from .policy import MIN_MEASURED_SPEEDUP, decide, gpu_slug, site_key, site_shape
+from .policy import MIN_MEASURED_SPEEDUP, decide, gpu_slug, site_key
 
-SCHEMA = 1
+SCHEMA = 2  # 2: keys name the dtype, an added mask and the P mode
 PATHS = ("fp8", "fp4", "bf16")
 _ENTRY_FIELDS = {"path": str, "speedup": float, "cosine": float, "t_low_ms": float, "t_bf16_ms": float}
 
@@ -195,9 +195,10 @@ def tune(model_or_fn, *args, fmt: str | None = None, min_cosine: float | None = 
             # nn.MultiheadAttention sites keep their projections inside the call: no probe yet.
             if site.kind == "mha" or not decide(site, options).low_precision:
                 continue
-            key = site_key(site_shape(site), options.fmt)
+            p_mode = options.p_mode_for(options.fmt)
+            key = site_key(site, options.fmt, p_mode)
             results.append(TuneResult(key, site.name, {}))
-            replace_site(gm.graph, site, options.fmt, options.p_mode, target=probe_for(key))
+            replace_site(gm.graph, site, options.fmt, p_mode, target=probe_for(key))
         gm.recompile()
         return gm.forward
 

@@ -136,7 +136,7 @@ def test_configure_overrides_validated():
 
 def test_tuned_decision_takes_precedence(fake_gpu):
     site = _site(n=4096)
-    key = policy.site_key(policy.site_shape(site), "fp8")
+    key = policy.site_key(site, "fp8", None)
     tuned = {key: {"path": "bf16", "speedup": 0.97, "cosine": 0.999, "t_low_ms": 1.0, "t_bf16_ms": 0.97}}
     decision = policy.decide(site, Options(), tuned)
     assert decision.path == "bf16" and decision.reason.startswith("tuned on this GPU")
@@ -234,7 +234,7 @@ def test_tuned_decision_does_not_fix_a_dynamic_length(crossover_2k):
 
     def capture(gm, example_inputs):
         for site in find_sites(gm.graph):
-            tuned = {policy.site_key(policy.site_shape(site), "fp8"): _entry(path="bf16", speedup=0.9)}
+            tuned = {policy.site_key(site, "fp8", None): _entry(path="bf16", speedup=0.9)}
             decisions.append(policy.decide(site, Options(), tuned))
         return gm.forward
 
@@ -351,11 +351,40 @@ def test_tune_records_each_site_on_real_activations(fake_gpu, monkeypatch):
     with torch.no_grad():
         (result,) = fp4_inductor.tune(module, x)
         ref = module(x)
-    assert result.key == "fp8/b2/h4/kv4/q80/k80/d64/causal/fwd"
+    assert result.key == "fp8/default/float32/b2/h4/kv4/q80/k80/d64/unmasked/causal/fwd"
     assert result.entry["path"] == "fp8" and result.entry["speedup"] == 2.0
     assert 0.99 < result.entry["cosine"] < 1.0  # measured, not assumed
     assert tuning.load_decisions("Test GPU") == {result.key: result.entry}
     assert ref.shape == x.shape
+
+
+def test_cache_key_names_what_timing_and_accuracy_depend_on():
+    """A tuned decision must not serve a site of another dtype, with a mask, or in another
+    P mode: each changes the times or the numerics."""
+    plain = _site()
+    bf16 = _site()
+    bf16.q.meta["example_value"] = bf16.q.meta["example_value"].to(torch.bfloat16)
+    masked = dataclasses.replace(_site(), attn_mask=plain.q)
+    keys = {policy.site_key(plain, "fp8", None), policy.site_key(bf16, "fp8", None),
+            policy.site_key(masked, "fp8", None), policy.site_key(plain, "fp8", "exp"),
+            policy.site_key(plain, "fp4", None)}
+    assert len(keys) == 5
+
+
+def test_tune_probes_fp4_in_the_p_mode_compiles_give_it(fake_gpu, monkeypatch):
+    """p_mode is fp8's option: tune(fmt="fp4") measures fp4 as a compile would run it."""
+    from attention_variants import SdpaCausal
+
+    probed = []
+    probe = tuning._probe
+    monkeypatch.setattr(tuning, "_probe", lambda *a, **kw: (probed.append(kw["p_mode"]), probe(*a, **kw))[1])
+    timings = iter([1.0, 0.5])
+    monkeypatch.setattr(tuning, "_gpu_name", lambda: "Test GPU")
+    monkeypatch.setattr(tuning, "_median_ms", lambda fn, rep_ms: (fn(), next(timings))[1])
+    with torch.no_grad(), fp4_inductor.configure(p_mode="exp"):
+        (result,) = fp4_inductor.tune(SdpaCausal().eval(), torch.randn(2, 80, 256), fmt="fp4")
+    assert probed == [None] and result.key.startswith("fp4/default/")
+    assert Options(p_mode="exp").p_mode_for("fp4") is None and Options(p_mode="exp").p_mode_for("fp8") == "exp"
 
 
 def test_tune_keeps_bf16_below_the_accuracy_guard(fake_gpu, monkeypatch):
