@@ -49,11 +49,20 @@ class Options:
         return dataclasses.replace(self, **{k: v for k, v in changes.items() if v is not None})
 
 
+_ENV = {"policy": "FP4ATTN_POLICY", "fmt": "FP4ATTN_FORMAT"}
+
+
 def _from_env() -> Options:
-    return Options(
-        policy=os.environ.get("FP4ATTN_POLICY", "auto").strip().lower(),
-        fmt=os.environ.get("FP4ATTN_FORMAT", "fp8").strip().lower(),
-    )
+    """The defaults with the FP4ATTN_* variables applied; an unset or empty one keeps its default."""
+    opts = Options()
+    for field, var in _ENV.items():
+        raw = os.environ.get(var, "").strip().lower()
+        if raw:
+            try:
+                opts = opts.replace(**{field: raw})
+            except ValueError as err:
+                raise ValueError(f"environment variable {var}: {err}") from None
+    return opts
 
 
 _overrides: list[dict] = []
@@ -95,6 +104,8 @@ class configure:
         _overrides.append(changes)
 
     def __enter__(self) -> "configure":
+        if not any(c is self._changes for c in _overrides):  # a configure object used again
+            _overrides.append(self._changes)
         return self
 
     def __exit__(self, *exc) -> None:

@@ -134,6 +134,25 @@ def test_configure_overrides_validated():
     assert fp4_inductor.config.current().overrides == ()
 
 
+def test_environment_variables_are_named_when_wrong_and_empty_means_unset(monkeypatch):
+    monkeypatch.setenv("FP4ATTN_POLICY", "sometimes")
+    with pytest.raises(ValueError, match="FP4ATTN_POLICY"):
+        fp4_inductor.config.current()
+    monkeypatch.setenv("FP4ATTN_POLICY", " ")
+    monkeypatch.setenv("FP4ATTN_FORMAT", "FP4")
+    assert (fp4_inductor.config.current().policy, fp4_inductor.config.current().fmt) == ("auto", "fp4")
+
+
+def test_a_configure_object_applies_each_time_it_is_entered():
+    block = fp4_inductor.configure(policy="never")
+    with block:
+        assert fp4_inductor.config.current().policy == "never"
+    assert fp4_inductor.config.current().policy == "auto"
+    with block:
+        assert fp4_inductor.config.current().policy == "never"
+    assert fp4_inductor.config.current().policy == "auto"
+
+
 def test_tuned_decision_takes_precedence(fake_gpu):
     site = _site(n=4096)
     key = policy.site_key(site, "fp8", None)
