@@ -324,9 +324,11 @@ def quantize_ds(ds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 # Finite stand-in (log2 units) for -inf and finfo.min in masks.  Masked keys still get
-# P = 0 next to any real score; a row whose every key is masked gets finite weights (as
-# eager does with finfo.min masks) instead of NaN.  2**20 keeps 8 x + 120 - 8 m exact in
-# float32, so those rows' codes are still well defined.
+# P = 0 next to any real score.  A row whose every key is masked has the same stand-in
+# added to all its scores, which the row reference cancels: it gets the row's unmasked
+# weights (eager: zeros for SDPA's boolean masks, uniform for finfo.min, NaN for -inf;
+# README says so).  2**20 keeps 8 x + 120 - 8 m exact in float32, so those codes are
+# well defined.
 MASKED_LOG2 = -(2.0**20)
 
 

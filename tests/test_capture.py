@@ -82,6 +82,20 @@ def test_explain_again_and_again_leaves_later_compiles_working():
     assert calls == {"fwd": 1, "bwd": 0}
 
 
+def test_boolean_tensor_added_to_the_scores_adds_one():
+    """softmax(S + m) with a boolean m adds 1 where m is True, as eager's type promotion
+    does; it is not SDPA's boolean attn_mask (keep where True)."""
+    q, k, v = (torch.randn(2, 4, 128, 64) for _ in range(3))
+    m = torch.rand(128, 128) > 0.5
+
+    def attend(q, k, v, m):
+        return torch.softmax(q @ k.transpose(-2, -1) / 8 + m, dim=-1) @ v
+
+    with fp4_inductor.configure(policy="always"):
+        out, calls = op_calls(torch.compile(attend, backend="fp4attn"), q, k, v, m)
+    assert calls["fwd"] == 1 and cosine(out, attend(q, k, v, m)) > 0.99
+
+
 def test_sdpa_dropout_in_training_falls_back():
     module = SdpaDropoutEval().train()
     report = fp4_inductor.explain(module, torch.randn(B, N, C), policy="always")

@@ -101,3 +101,17 @@ def test_multihead_attention_under_no_grad_is_inference():
     (site,) = fp4_inductor.explain(module, x).sites
     assert site.training
 
+
+
+def test_unbatched_multihead_attention_falls_back_with_reason():
+    """nn.MultiheadAttention also takes one unbatched [L, E] sequence: left as written."""
+    mha = nn.MultiheadAttention(E, H).eval()
+    x = torch.randn(N, E)
+    with torch.no_grad():
+        report = fp4_inductor.explain(lambda x: mha(x, x, x, need_weights=False)[0], x, policy="always")
+        assert [s.path for s in report.sites] == ["bf16"] and "unbatched" in report.sites[0].reason
+        torch._dynamo.reset()
+        with fp4_inductor.configure(policy="always"):
+            out, calls = op_calls(torch.compile(lambda x: mha(x, x, x, need_weights=False)[0], backend="fp4attn"), x)
+        assert calls["fwd"] == 0
+        torch.testing.assert_close(out, mha(x, x, x, need_weights=False)[0])

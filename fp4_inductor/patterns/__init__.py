@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import operator
 
+import torch
 import torch.fx as fx
 
 from ..attention import combine_masks, lowp_attention
@@ -53,8 +54,11 @@ def replace_site(graph: fx.Graph, site: Site, fmt: str, p_mode: str | None, targ
         return replace_mha(graph, site, fmt, p_mode, min_keys)
     anchor = site.anchor
     with graph.inserting_before(anchor):
-        if len(site.bias_terms) == 1 and not site.bias_terms[0][1] and not (site.keep_masks or site.drop_masks):
-            mask = site.bias_terms[0][0]  # one unscaled additive mask: pass it as SDPA would
+        if (len(site.bias_terms) == 1 and not site.bias_terms[0][1] and not (site.keep_masks or site.drop_masks)
+                and value(site.bias_terms[0][0]).dtype != torch.bool):
+            # One unscaled additive mask: pass it as SDPA would (a boolean one adds 1 where
+            # True, which SDPA would read as "keep": it goes through combine_masks).
+            mask = site.bias_terms[0][0]
         elif site.bias_terms or site.keep_masks or site.drop_masks:
             mask = graph.call_function(
                 combine_masks,

@@ -38,8 +38,11 @@ def match_mha(node: fx.Node) -> Site | None:
                 name=module_path(node))
     query, key = value(a["query"]), value(a["key"])
     heads = a["num_heads"]
-    site.dims = (query.shape[1], heads, heads, query.shape[0], key.shape[0], query.shape[2] // heads)
     site.weights = tuple(a[n] for n in ("in_proj_weight", "q_proj_weight") if a[n] is not None)
+    if query.dim() != 3:
+        site.unsupported = "unbatched input ([L, E] query): not rewritten"
+        return site
+    site.dims = (query.shape[1], heads, heads, query.shape[0], key.shape[0], query.shape[2] // heads)
     if a["need_weights"] is not False:
         site.unsupported = "attention weights are returned (need_weights=True)"
     elif any(a[n] is not None for n in ("bias_k", "bias_v", "static_k", "static_v")) or a["add_zero_attn"]:
