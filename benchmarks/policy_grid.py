@@ -98,7 +98,8 @@ def plot(doc, path):
             ax.set(xscale="log", yscale="log", title=f"{mode}, D={d}", xlabel="N", ylabel="B*H")
             ax.grid(True, alpha=0.3)
     s = doc["summary"]
-    when = doc["env"]["date"][:16] + (f", picks rescored {doc['env']['rescored'][:16]}" if "rescored" in doc["env"] else "")
+    rescored = doc["env"].get("rescored")
+    when = doc["env"]["date"][:16] + (f", picks rescored {rescored[:16]}" if rescored else "")
     fig.suptitle(f"auto policy on {doc['env']['device']} ({when}): colour = pick (orange fp8, blue BF16), "
                  f"red edge = slower pick; label = BF16/fp8 time\n{s['right']}/{s['shapes']} faster path picked, "
                  f"worst pick {100 * s['worst_regret']:.1f} % slower; circle = full, triangle = causal", fontsize=9)
@@ -158,7 +159,8 @@ def _now():
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "policy_grid_h200"))
-    ap.add_argument("--rescore", metavar="JSON", help="judge a grid timed earlier with the current table instead of timing one")
+    ap.add_argument("--rescore", metavar="JSON",
+                    help="judge a grid timed earlier with the current table instead of timing one")
     args = ap.parse_args()
     doc = rescore(args.rescore) if args.rescore else measure_grid()
     os.makedirs(os.path.dirname(args.out), exist_ok=True)

@@ -367,5 +367,6 @@ def site_key(site: Site, fmt: str, p_mode: str | None) -> str:
     s = site_shape(site)
     dtype = str(value(site.q).dtype).removeprefix("torch.")
     masked = site.attn_mask is not None or bool(site.bias_terms or site.keep_masks or site.drop_masks)
-    return (f"{fmt}/{p_mode or 'default'}/{dtype}/b{s.b}/h{s.h}/kv{s.hkv}/q{s.nq}/k{s.nk}/d{s.d}/"
-            f"{'masked' if masked else 'unmasked'}/{'causal' if s.causal else 'full'}/{'train' if s.training else 'fwd'}")
+    parts = (fmt, p_mode or "default", dtype, f"b{s.b}", f"h{s.h}", f"kv{s.hkv}", f"q{s.nq}", f"k{s.nk}", f"d{s.d}",
+             "masked" if masked else "unmasked", "causal" if s.causal else "full", "train" if s.training else "fwd")
+    return "/".join(parts)
