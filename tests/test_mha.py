@@ -103,15 +103,25 @@ def test_multihead_attention_under_no_grad_is_inference():
 
 
 
-def test_unbatched_multihead_attention_falls_back_with_reason():
-    """nn.MultiheadAttention also takes one unbatched [L, E] sequence: left as written."""
+@pytest.mark.parametrize("masks", ["none", "key_padding", "per_head"])
+def test_unbatched_multihead_attention_captured(masks):
+    """nn.MultiheadAttention also takes one unbatched [L, E] sequence (its masks then
+    [S] and [H, L, S]): a batch of one."""
     mha = nn.MultiheadAttention(E, H).eval()
     x = torch.randn(N, E)
+    kwargs = {"need_weights": False}
+    if masks == "key_padding":
+        kwargs["key_padding_mask"] = torch.arange(N) >= N - 7
+    elif masks == "per_head":
+        kwargs["attn_mask"] = torch.randn(H, N, N)
+
+    def attend(x):
+        return mha(x, x, x, **kwargs)[0]
+
     with torch.no_grad():
-        report = fp4_inductor.explain(lambda x: mha(x, x, x, need_weights=False)[0], x, policy="always")
-        assert [s.path for s in report.sites] == ["bf16"] and "unbatched" in report.sites[0].reason
-        torch._dynamo.reset()
+        report = fp4_inductor.explain(attend, x, policy="always")
+        assert [(s.path, s.shape) for s in report.sites] == [("fp8", (1, H, H, N, N, E // H))]
         with fp4_inductor.configure(policy="always"):
-            out, calls = op_calls(torch.compile(lambda x: mha(x, x, x, need_weights=False)[0], backend="fp4attn"), x)
-        assert calls["fwd"] == 0
-        torch.testing.assert_close(out, mha(x, x, x, need_weights=False)[0])
+            out, calls = op_calls(torch.compile(attend, backend="fp4attn"), x)
+        assert calls["fwd"] == 1 and out.shape == (N, E)
+        assert cosine(out, attend(x)) > 0.99

@@ -39,10 +39,8 @@ def match_mha(node: fx.Node) -> Site | None:
     query, key = value(a["query"]), value(a["key"])
     heads = a["num_heads"]
     site.weights = tuple(a[n] for n in ("in_proj_weight", "q_proj_weight") if a[n] is not None)
-    if query.dim() != 3:
-        site.unsupported = "unbatched input ([L, E] query): not rewritten"
-        return site
-    site.dims = (query.shape[1], heads, heads, query.shape[0], key.shape[0], query.shape[2] // heads)
+    batch = query.shape[1] if query.dim() == 3 else 1  # [L, E]: one unbatched sequence
+    site.dims = (batch, heads, heads, query.shape[0], key.shape[0], query.shape[-1] // heads)
     if a["need_weights"] is not False:
         site.unsupported = "attention weights are returned (need_weights=True)"
     elif any(a[n] is not None for n in ("bias_k", "bias_v", "static_k", "static_v")) or a["add_zero_attn"]:
@@ -58,7 +56,11 @@ def mha_lowp(query, key, value, num_heads, in_proj_weight, in_proj_bias, out_pro
              key_padding_mask, attn_mask, is_causal, q_proj_weight, k_proj_weight, v_proj_weight, *, fmt, p_mode,
              min_keys=None):
     """``F.multi_head_attention_forward`` with ``need_weights=False`` on sequence-first
-    ``[L, N, E]`` inputs, attention in low precision."""
+    ``[L, N, E]`` inputs, or one unbatched ``[L, E]`` sequence, attention in low precision."""
+    unbatched = query.dim() == 2
+    if unbatched:  # a batch of one, as upstream does
+        query, key, value = (x.unsqueeze(1) for x in (query, key, value))
+        key_padding_mask = key_padding_mask.unsqueeze(0) if key_padding_mask is not None else None
     length, batch, embed = query.shape
     if q_proj_weight is not None:
         weights = (q_proj_weight, k_proj_weight, v_proj_weight)
@@ -77,7 +79,7 @@ def mha_lowp(query, key, value, num_heads, in_proj_weight, in_proj_bias, out_pro
     out = lowp_attention(q, k, v, attn_mask=_sdpa_mask(attn_mask, key_padding_mask, batch, num_heads),
                          is_causal=is_causal, fmt=fmt, p_mode=p_mode, min_keys=min_keys)
     out = F.linear(out.permute(2, 0, 1, 3).reshape(length, batch, embed), out_proj_weight, out_proj_bias)
-    return out, None
+    return (out.squeeze(1) if unbatched else out), None
 
 
 def _sdpa_mask(attn_mask, key_padding_mask, batch: int, heads: int):
