@@ -5,7 +5,8 @@ import pytest
 import torch
 
 import fp4_inductor
-from attention_variants import B, CAPTURED, TRAPS, C, N, DropoutEval, SdpaDropoutEval, extra_inputs
+from attention_variants import (B, CAPTURED, TRAPS, C, N, DropoutEval, SdpaDropoutEval, SoftmaxOverQueries,
+                                extra_inputs)
 from helpers import cosine, op_calls
 
 
@@ -51,7 +52,8 @@ def test_training_captured(variant):
         assert cosine(a, b) > 0.98
 
 
-@pytest.mark.parametrize("variant", list(TRAPS), ids=lambda c: c.__name__)
+# SoftmaxOverQueries is checked against eager below: Inductor alone miscompiles it.
+@pytest.mark.parametrize("variant", [t for t in TRAPS if t is not SoftmaxOverQueries], ids=lambda c: c.__name__)
 def test_traps_stay_exact(variant):
     module = variant().eval()
     x = torch.randn(B, N, C)
@@ -67,6 +69,19 @@ def test_traps_stay_exact(variant):
         ours, calls = op_calls(torch.compile(module, backend="fp4attn"), x)
     assert calls["fwd"] == 0
     assert torch.equal(ours, default)
+
+
+def test_softmax_over_the_queries_stays_as_eager_computes_it():
+    """Left as written, then compiled by Inductor with its pattern matcher off for that
+    graph: its attention fusion takes softmax over dim -2 for attention (rel-L2 0.19
+    against eager in torch 2.13)."""
+    module = SoftmaxOverQueries().eval()
+    x = torch.randn(B, N, C)
+    with torch.no_grad(), fp4_inductor.configure(policy="always"):
+        out, calls = op_calls(torch.compile(module, backend="fp4attn"), x)
+        ref = module(x)
+    assert calls["fwd"] == 0
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
 
 
 def test_explain_again_and_again_leaves_later_compiles_working():

@@ -20,6 +20,7 @@ from .common import Site, arg, constant_fill, kind, module_path, rank, swaps_las
 
 # masked_fill / where fills at or below this are treated as "masked out".
 _MASK_FILL_MAX = -1e4
+SOFTMAX_NOT_OVER_KEYS = "softmax is not over the last (key) dimension"
 
 
 @dataclasses.dataclass
@@ -49,7 +50,7 @@ def match_softmax(node: fx.Node) -> Site | None:
     site.unsupported = (
         problem
         or scores.unsupported
-        or (None if isinstance(dim, int) and dim % r == r - 1 else "softmax is not over the last (key) dimension")
+        or (None if isinstance(dim, int) and dim % r == r - 1 else SOFTMAX_NOT_OVER_KEYS)
     )
     if site.unsupported is None:
         _fill_masks_and_scale(site, scores.ops)
