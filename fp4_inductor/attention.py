@@ -96,6 +96,13 @@ def lowp_attention(
     ``min_keys`` (inference only): low precision only from this many keys at run time,
     SDPA below, decided per call without a guard on the length (``fp4attn::by_length``).
     """
+    if v.shape[-1] != q.shape[-1] or k.shape[-1] != q.shape[-1]:
+        raise ValueError(f"head dims differ (q {q.shape[-1]}, k {k.shape[-1]}, v {v.shape[-1]}): "
+                         "use F.scaled_dot_product_attention")
+    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (attn_mask, scale)):
+        # The mask becomes a fixed bias and the scale is folded into the operands: neither
+        # would get its gradient.  (The compiler leaves such sites to SDPA.)
+        raise ValueError("a mask or scale that requires grad is not supported: use F.scaled_dot_product_attention")
     squeeze = q.dim() == 3
     if squeeze:
         q, k, v = q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)

@@ -8,11 +8,8 @@
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-from pathlib import Path
 
 import torch
-from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from . import config
 from .config import Options
@@ -21,10 +18,6 @@ from .patterns.common import value
 from .patterns.softmax import SOFTMAX_NOT_OVER_KEYS
 from .policy import Decision, decide
 from .tuning import load_decisions
-
-_PACKAGE = Path(__file__).parent
-# Everything that decides what a rewritten graph contains.
-_SOURCES = ("attention.py", "config.py", "formats.py", "policy.py", "tuning.py", "patterns", "tables")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,21 +34,10 @@ class SiteRecord:
     predicted_speedup: float | None
 
 
-def _source_digest() -> str:
-    h = hashlib.sha256()
-    for name in _SOURCES:
-        path = _PACKAGE / name
-        for file in sorted(f for f in path.rglob("*") if f.suffix in (".py", ".json")) if path.is_dir() else [path]:
-            h.update(file.read_bytes())
-    return h.hexdigest()
-
-
-class AttentionRewritePass(CustomGraphPass):
+class AttentionRewritePass:
     """Rewrites the attention sites of a Dynamo graph in place and records each decision.
-
-    ``uuid()`` covers the sources of the pass, its patterns, the policy and the
-    numerics, and the options, so any cache keyed on it cannot serve a stale rewrite.
-    """
+    It runs before AOTAutograd, so the graph Inductor compiles and caches already holds
+    its decisions; the ops' implementations are looked up at run time."""
 
     def __init__(self, options: Options):
         self.options = options
@@ -71,9 +53,6 @@ class AttentionRewritePass(CustomGraphPass):
             if decision.low_precision:
                 replace_site(graph, site, decision.path, self.options.p_mode_for(decision.path),
                              min_keys=decision.min_keys)
-
-    def uuid(self) -> str:
-        return hashlib.sha256(f"{_source_digest()}:{self.options!r}".encode()).hexdigest()
 
 
 def _tuned_decisions(site) -> dict:

@@ -51,13 +51,3 @@ def test_fx_graph_cache_hit_still_calls_op_and_policy_changes_result(tmp_path):
     assert never["calls"] == 0 and never["miss"] >= 1  # a different graph, not a stale hit
     assert never["out"] != first["out"]
 
-
-def test_pass_uuid_covers_options_and_is_stable():
-    from fp4_inductor.compiler import AttentionRewritePass
-    from fp4_inductor.config import Options
-
-    always = AttentionRewritePass(Options(policy="always")).uuid()
-    assert always == AttentionRewritePass(Options(policy="always")).uuid()
-    others = {AttentionRewritePass(o).uuid() for o in (Options(policy="never"), Options(policy="always", fmt="fp4"),
-                                                       Options(policy="always", p_mode="exp"))}
-    assert always not in others and len(others) == 3

@@ -125,3 +125,21 @@ def test_unbatched_multihead_attention_captured(masks):
             out, calls = op_calls(torch.compile(attend, backend="fp4attn"), x)
         assert calls["fwd"] == 1 and out.shape == (N, E)
         assert cosine(out, attend(x)) > 0.99
+
+
+def test_multihead_attention_mask_that_requires_grad_falls_back():
+    """A learned mask (a relative-position bias, say) needs its gradient: left as written."""
+    mha = nn.MultiheadAttention(E, H, batch_first=True)
+    bias = torch.randn(N, N, requires_grad=True)
+    x = torch.randn(B, N, E)
+
+    def attend(x):
+        return mha(x, x, x, attn_mask=bias, need_weights=False)[0]
+
+    report = fp4_inductor.explain(attend, x, policy="always")
+    assert [s.path for s in report.sites] == ["bf16"] and "requires grad" in report.sites[0].reason
+    with fp4_inductor.configure(policy="always"):
+        torch.compile(attend, backend="fp4attn")(x).sum().backward()
+    compiled_grad, bias.grad = bias.grad, None
+    attend(x).sum().backward()
+    torch.testing.assert_close(compiled_grad, bias.grad, rtol=1e-4, atol=1e-5)

@@ -167,3 +167,20 @@ def test_by_length_branches_on_the_call_s_key_length(nk, mask):
             q, k, v, attn_mask=sdpa_mask, is_causal=True, scale=0.125, enable_gqa=True)
     assert got.stride() == ops.bnhd_empty(q, 4, 33, 64, q.dtype).stride()
     assert torch.equal(got, want)
+
+
+def test_lowp_attention_refuses_what_it_would_get_wrong():
+    """Called directly (the compiler leaves these to SDPA): a mask or scale that requires
+    grad would lose its gradient, a value head dim unlike the query's is not computed."""
+    from fp4_inductor.attention import lowp_attention
+
+    q, k, v = (torch.randn(1, 2, 33, 64) for _ in range(3))
+    bias = torch.randn(1, 1, 33, 33, requires_grad=True)
+    with pytest.raises(ValueError, match="requires grad"):
+        lowp_attention(q, k, v, attn_mask=bias)
+    with pytest.raises(ValueError, match="requires grad"):
+        lowp_attention(q, k, v, scale=torch.tensor(0.125, requires_grad=True))
+    with pytest.raises(ValueError, match="head dims differ"):
+        lowp_attention(q, k, v[..., :32])
+    with torch.no_grad():  # nothing to differentiate: the mask is only a value
+        assert lowp_attention(q, k, v, attn_mask=bias).shape == q.shape
