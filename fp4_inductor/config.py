@@ -9,9 +9,10 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from .formats import FORMATS, P_MODES
+from .formats import FORMATS
 
 POLICIES = ("auto", "always", "never")
+FP8_P_MODES = ("direct", "exp")  # fp4's P has its own classifier (formats)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,8 +32,8 @@ class Options:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         if self.fmt not in FORMATS:
             raise ValueError(f"fmt must be one of {FORMATS}, got {self.fmt!r}")
-        if self.p_mode is not None and self.p_mode not in P_MODES:
-            raise ValueError(f"p_mode must be one of {P_MODES}, got {self.p_mode!r}")
+        if self.p_mode is not None and self.p_mode not in FP8_P_MODES:
+            raise ValueError(f"p_mode must be one of {FP8_P_MODES}, got {self.p_mode!r}")
         for pattern, path in self.overrides:
             if not isinstance(pattern, str) or path not in (*FORMATS, "bf16"):
                 raise ValueError(f"override ({pattern!r}, {path!r}): need (glob, one of {(*FORMATS, 'bf16')})")

@@ -143,6 +143,11 @@ def test_environment_variables_are_named_when_wrong_and_empty_means_unset(monkey
     assert (fp4_inductor.config.current().policy, fp4_inductor.config.current().fmt) == ("auto", "fp4")
 
 
+def test_p_mode_is_one_of_fp8_s_modes():
+    with pytest.raises(ValueError, match="p_mode"):
+        fp4_inductor.configure(p_mode="fp4")
+
+
 def test_a_configure_object_applies_each_time_it_is_entered():
     block = fp4_inductor.configure(policy="never")
     with block:
