@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from .attention import default_p_mode
 from .config import Options
 from .kernels import has_forward_kernel
 from .patterns.common import Site, value
@@ -65,7 +66,7 @@ def unsupported_reason(site: Site) -> str | None:
         return "batch or key-length mismatch between query, key and value"
     if q.dim() == 4 and (k.shape[1] != v.shape[1] or q.shape[1] % k.shape[1] != 0):
         return "key/value heads do not divide query heads"
-    if any(t.requires_grad for t in _mask_values(site)):
+    if torch.is_grad_enabled() and any(t.requires_grad for t in _mask_values(site)):  # Dynamo guards grad mode
         return "mask or scale requires grad"
     scores = (*q.shape[:-1], k.shape[-2])
     for mask in _mask_values(site):
@@ -367,6 +368,6 @@ def site_key(site: Site, fmt: str, p_mode: str | None) -> str:
     s = site_shape(site)
     dtype = str(value(site.q).dtype).removeprefix("torch.")
     masked = site.attn_mask is not None or bool(site.bias_terms or site.keep_masks or site.drop_masks)
-    parts = (fmt, p_mode or "default", dtype, f"b{s.b}", f"h{s.h}", f"kv{s.hkv}", f"q{s.nq}", f"k{s.nk}", f"d{s.d}",
+    parts = (fmt, p_mode or default_p_mode(fmt), dtype, f"b{s.b}", f"h{s.h}", f"kv{s.hkv}", f"q{s.nq}", f"k{s.nk}", f"d{s.d}",
              "masked" if masked else "unmasked", "causal" if s.causal else "full", "train" if s.training else "fwd")
     return "/".join(parts)

@@ -161,7 +161,9 @@ def run_once(model_or_fn, backend, *args, **kwargs) -> None:
     and ``tune()``.  As ``torch._dynamo.explain`` does, Dynamo's caches are reset before
     (a cached frame would skip the backend) and after: each probe's frames would
     otherwise count toward Dynamo's recompile limit on the model's ``forward``, past which
-    compiled models silently run eagerly.  Models compiled before recompile on their next call."""
+    compiled models silently run eagerly.  The reset is process-wide: functions compiled
+    before recompile on their next call (CUDA graphs re-record, automatic-dynamic shapes
+    start static again)."""
     torch._dynamo.reset()
     try:
         torch.compile(model_or_fn, backend=backend)(*args, **kwargs)

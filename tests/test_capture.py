@@ -84,6 +84,47 @@ def test_softmax_over_the_queries_stays_as_eager_computes_it():
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
 
 
+def test_key_transposed_with_mT_is_captured():
+    q, k, v = (torch.randn(2, 4, 96, 64) for _ in range(3))
+
+    def attend(q, k, v):
+        return torch.softmax(q @ k.mT * 0.125, dim=-1) @ v
+
+    with torch.no_grad(), fp4_inductor.configure(policy="always"):
+        out, calls = op_calls(torch.compile(attend, backend="fp4attn"), q, k, v)
+    assert calls["fwd"] == 1 and cosine(out, attend(q, k, v)) > 0.99
+
+
+@pytest.mark.parametrize("dim, other", [(-1, False), (3, False), (-2, True), (1, True)])
+def test_softmax_over_another_dim_is_found_whatever_the_site_s_reason(dim, other):
+    """The compiler turns Inductor's pattern matcher off for any such graph, not only where
+    the site's first reason is the softmax's dimension (here K is not transposed, N = D)."""
+    from fp4_inductor.patterns.softmax import softmax_over_other_dim
+
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(softmax_over_other_dim(gm.graph))
+        return gm.forward
+
+    q, k, v = (torch.randn(2, 4, 64, 64) for _ in range(3))
+    torch.compile(lambda q, k, v: torch.softmax(q @ k * 0.125, dim=dim) @ v, backend=capture)(q, k, v)
+    assert graphs == [other]
+
+
+def test_learned_mask_is_a_value_under_no_grad():
+    """A mask that requires grad falls back in training only: under no_grad it is data."""
+    bias = torch.nn.Parameter(torch.randn(N, N))
+    q, k, v = (torch.randn(B, 4, N, 64) for _ in range(3))
+
+    def attend(q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+
+    assert "requires grad" in fp4_inductor.explain(attend, q, k, v, policy="always").sites[0].reason
+    with torch.no_grad():
+        assert [s.path for s in fp4_inductor.explain(attend, q, k, v, policy="always").sites] == ["fp8"]
+
+
 def test_explain_again_and_again_leaves_later_compiles_working():
     # Every probe compiles the model's forward anew; kept in Dynamo's cache, more of them
     # than its recompile limit would make a later compile run the model eagerly.

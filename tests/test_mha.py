@@ -143,3 +143,6 @@ def test_multihead_attention_mask_that_requires_grad_falls_back():
     compiled_grad, bias.grad = bias.grad, None
     attend(x).sum().backward()
     torch.testing.assert_close(compiled_grad, bias.grad, rtol=1e-4, atol=1e-5)
+    with torch.no_grad():  # nothing trains: the learned mask is only a value
+        report = fp4_inductor.explain(attend, x, policy="always")
+    assert [s.path for s in report.sites] == ["fp8"]

@@ -375,7 +375,7 @@ def test_tune_records_each_site_on_real_activations(fake_gpu, monkeypatch):
     with torch.no_grad():
         (result,) = fp4_inductor.tune(module, x)
         ref = module(x)
-    assert result.key == "fp8/default/float32/b2/h4/kv4/q80/k80/d64/unmasked/causal/fwd"
+    assert result.key == "fp8/direct/float32/b2/h4/kv4/q80/k80/d64/unmasked/causal/fwd"
     assert result.entry["path"] == "fp8" and result.entry["speedup"] == 2.0
     assert 0.99 < result.entry["cosine"] < 1.0  # measured, not assumed
     assert tuning.load_decisions("Test GPU") == {result.key: result.entry}
@@ -393,6 +393,8 @@ def test_cache_key_names_what_timing_and_accuracy_depend_on():
             policy.site_key(masked, "fp8", None), policy.site_key(plain, "fp8", "exp"),
             policy.site_key(plain, "fp4", None)}
     assert len(keys) == 5
+    # p_mode "direct" is fp8's default: a decision tuned without it serves a compile with it.
+    assert policy.site_key(plain, "fp8", "direct") == policy.site_key(plain, "fp8", None)
 
 
 def test_tune_probes_fp4_in_the_p_mode_compiles_give_it(fake_gpu, monkeypatch):
@@ -407,7 +409,7 @@ def test_tune_probes_fp4_in_the_p_mode_compiles_give_it(fake_gpu, monkeypatch):
     monkeypatch.setattr(tuning, "_median_ms", lambda fn, rep_ms: (fn(), next(timings))[1])
     with torch.no_grad(), fp4_inductor.configure(p_mode="exp"):
         (result,) = fp4_inductor.tune(SdpaCausal().eval(), torch.randn(2, 80, 256), fmt="fp4")
-    assert probed == [None] and result.key.startswith("fp4/default/")
+    assert probed == [None] and result.key.startswith("fp4/fp4/")
     assert Options(p_mode="exp").p_mode_for("fp4") is None and Options(p_mode="exp").p_mode_for("fp8") == "exp"
 
 

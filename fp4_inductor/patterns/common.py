@@ -123,7 +123,7 @@ def rank(node) -> int | None:
 
 
 def swaps_last_two(node: fx.Node) -> fx.Node | None:
-    """The input of ``x.transpose(-2, -1)`` (any spelling, permute included), else None.
+    """The input of ``x.transpose(-2, -1)`` (any spelling, permute and ``.mT`` included), else None.
 
     Only an exact swap of the last two dimensions qualifies: a permuted K that is not
     this swap is not ``K^T`` (pytorch issue 195320) and the site must stay as written.
@@ -131,6 +131,8 @@ def swaps_last_two(node: fx.Node) -> fx.Node | None:
     r = rank(node)
     if r is None or r < 2:
         return None
+    if node.op == "call_function" and node.target is getattr and node.args[1:] == ("mT",):
+        return node.args[0]
     k = kind(node)
     if k == "transpose":
         dims = sorted(int(d) % r for d in (arg(node, 1), arg(node, 2)))

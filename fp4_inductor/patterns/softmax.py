@@ -33,6 +33,17 @@ class _Scores:
     unsupported: str | None = None
 
 
+def softmax_over_other_dim(graph: fx.Graph) -> bool:
+    """Whether any softmax in the graph is over another dimension than the last (or one
+    not known when the graph is compiled)."""
+    for node in graph.nodes:
+        if kind(node) == "softmax":
+            r, dim = rank(node), arg(node, 1)
+            if not (isinstance(dim, int) and isinstance(r, int) and dim % r == r - 1):
+                return True
+    return False
+
+
 def match_softmax(node: fx.Node) -> Site | None:
     if kind(node) != "softmax":
         return None
