@@ -24,6 +24,7 @@ from .attention import default_p_mode
 from .config import Options
 from .kernels import has_forward_kernel
 from .patterns.common import Site, value
+from .patterns.mha import mha_args
 
 SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -54,7 +55,9 @@ def unsupported_reason(site: Site) -> str | None:
         return f"dtypes {q.dtype}/{k.dtype}/{v.dtype} (need one of fp16, bf16, fp32)"
     if site.dims is not None:  # nn.MultiheadAttention: the matcher read the head layout
         d = site.shape()[-1]
-        return None if d in SUPPORTED_HEAD_DIMS else f"head dim {d} is not one of {SUPPORTED_HEAD_DIMS}"
+        if d not in SUPPORTED_HEAD_DIMS:
+            return f"head dim {d} is not one of {SUPPORTED_HEAD_DIMS}"
+        return _mask_grad_reason(site)
     if not (q.dim() == k.dim() == v.dim()) or q.dim() not in (3, 4):
         return "query, key and value must all be 3-d or 4-d"
     d = q.shape[-1]
@@ -66,8 +69,9 @@ def unsupported_reason(site: Site) -> str | None:
         return "batch or key-length mismatch between query, key and value"
     if q.dim() == 4 and (k.shape[1] != v.shape[1] or q.shape[1] % k.shape[1] != 0):
         return "key/value heads do not divide query heads"
-    if torch.is_grad_enabled() and any(t.requires_grad for t in _mask_values(site)):  # Dynamo guards grad mode
-        return "mask or scale requires grad"
+    reason = _mask_grad_reason(site)
+    if reason is not None:
+        return reason
     scores = (*q.shape[:-1], k.shape[-2])
     for mask in _mask_values(site):
         if mask.dim() > 0 and not _broadcasts(mask.shape, scores):
@@ -75,8 +79,24 @@ def unsupported_reason(site: Site) -> str | None:
     return None
 
 
+def _mask_grad_reason(site: Site) -> str | None:
+    """A mask or scale whose gradient the low-precision path would drop; only with grad
+    enabled (Dynamo guards grad mode: under no_grad a learned mask is data)."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in _mask_values(site)):
+        return "mask or scale requires grad"
+    return None
+
+
+def _mask_nodes(site: Site) -> list:
+    """The site's masks (None where absent)."""
+    if site.kind == "mha":  # its masks stay arguments of the call (MHA's own conventions)
+        args = mha_args(site.anchor)
+        return [args["attn_mask"], args["key_padding_mask"]]
+    return [site.attn_mask, *site.keep_masks, *site.drop_masks, *(m for m, _ in site.bias_terms)]
+
+
 def _mask_values(site: Site) -> list[torch.Tensor]:
-    nodes = [site.attn_mask, *site.keep_masks, *site.drop_masks, *(m for m, _ in site.bias_terms)]
+    nodes = _mask_nodes(site)
     if isinstance(site.scale, tuple):
         nodes += [f for f, _ in site.scale]
     return [t for t in (value(n) for n in nodes) if isinstance(t, torch.Tensor)]
@@ -367,7 +387,8 @@ def site_key(site: Site, fmt: str, p_mode: str | None) -> str:
     on (shape, causality, training, dtype, an added mask, the format and its P mode)."""
     s = site_shape(site)
     dtype = str(value(site.q).dtype).removeprefix("torch.")
-    masked = site.attn_mask is not None or bool(site.bias_terms or site.keep_masks or site.drop_masks)
-    parts = (fmt, p_mode or default_p_mode(fmt), dtype, f"b{s.b}", f"h{s.h}", f"kv{s.hkv}", f"q{s.nq}", f"k{s.nk}", f"d{s.d}",
-             "masked" if masked else "unmasked", "causal" if s.causal else "full", "train" if s.training else "fwd")
+    masked = any(n is not None for n in _mask_nodes(site))
+    parts = (fmt, p_mode or default_p_mode(fmt), dtype, f"b{s.b}", f"h{s.h}", f"kv{s.hkv}", f"q{s.nq}", f"k{s.nk}",
+             f"d{s.d}", "masked" if masked else "unmasked", "causal" if s.causal else "full",
+             "train" if s.training else "fwd")
     return "/".join(parts)

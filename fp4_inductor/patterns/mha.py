@@ -49,9 +49,6 @@ def match_mha(node: fx.Node) -> Site | None:
         site.unsupported = "dropout in training (not implemented in low precision)"
     elif not isinstance(a["is_causal"], bool) or not isinstance(heads, int):
         site.unsupported = "is_causal or num_heads is not a constant"
-    elif torch.is_grad_enabled() and any(getattr(value(a[n]), "requires_grad", False)
-                                         for n in ("attn_mask", "key_padding_mask")):
-        site.unsupported = "mask or scale requires grad"  # the policy's wording for the other sites
     return site
 
 

@@ -20,7 +20,6 @@ from .common import Site, arg, constant_fill, kind, module_path, rank, swaps_las
 
 # masked_fill / where fills at or below this are treated as "masked out".
 _MASK_FILL_MAX = -1e4
-SOFTMAX_NOT_OVER_KEYS = "softmax is not over the last (key) dimension"
 
 
 @dataclasses.dataclass
@@ -36,12 +35,12 @@ class _Scores:
 def softmax_over_other_dim(graph: fx.Graph) -> bool:
     """Whether any softmax in the graph is over another dimension than the last (or one
     not known when the graph is compiled)."""
-    for node in graph.nodes:
-        if kind(node) == "softmax":
-            r, dim = rank(node), arg(node, 1)
-            if not (isinstance(dim, int) and isinstance(r, int) and dim % r == r - 1):
-                return True
-    return False
+    return any(kind(node) == "softmax" and not _over_last_dim(node) for node in graph.nodes)
+
+
+def _over_last_dim(softmax: fx.Node) -> bool:
+    r, dim = rank(softmax), arg(softmax, 1)
+    return isinstance(dim, int) and isinstance(r, int) and dim % r == r - 1
 
 
 def match_softmax(node: fx.Node) -> Site | None:
@@ -55,13 +54,12 @@ def match_softmax(node: fx.Node) -> Site | None:
         return None
     site = Site("softmax", pv if pv is not None else node, name=module_path(node))
     site.q, site.k = scores.q, scores.k
-    r, dim = rank(node), arg(node, 1)
     if pv is not None:
         site.v = _pv_value_operand(pv)
     site.unsupported = (
         problem
         or scores.unsupported
-        or (None if isinstance(dim, int) and dim % r == r - 1 else SOFTMAX_NOT_OVER_KEYS)
+        or (None if _over_last_dim(node) else "softmax is not over the last (key) dimension")
     )
     if site.unsupported is None:
         _fill_masks_and_scale(site, scores.ops)
