@@ -39,17 +39,19 @@ def combine_masks(attn_mask, bias_terms, keep_masks, drop_masks):
 
 class _LowPrecisionAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, bias, sm_scale, causal, fmt, p_mode):
-        out, lse, row_ref, operands = ops.quantized_forward(q, k, v, bias, sm_scale, causal, fmt, p_mode)
+    def forward(ctx, q, k, v, bias, sm_scale, causal, fmt, p_mode, diagonal, window):
+        out, lse, row_ref, operands = ops.quantized_forward(q, k, v, bias, sm_scale, causal, fmt, p_mode,
+                                                            diagonal, window)
         ctx.save_for_backward(*operands, bias, out, lse, row_ref)
-        ctx.sm_scale, ctx.causal, ctx.p_mode = sm_scale, causal, p_mode
+        ctx.sm_scale, ctx.causal, ctx.p_mode, ctx.structure = sm_scale, causal, p_mode, (diagonal, window)
         # Gradients in the inputs' layout: contiguous inputs (leaves, say) get contiguous
         # gradients, so that autograd does not re-lay them out with a strided copy.
         ctx.grads_contiguous = all(t.is_contiguous() for t in (q, k, v))
-        return out
+        ctx.mark_non_differentiable(lse)
+        return out, lse
 
     @staticmethod
-    def backward(ctx, dout):
+    def backward(ctx, dout, _):
         q8, k8, v8t, q_scale, k_scale, v_scale, bias, out, lse, row_ref = ctx.saved_tensors
         do8, do_scale, delta, qe, qe_scale, ke, ke_scale = backward_inputs(
             dout, out, lse, row_ref, q8, q_scale, k8, k_scale, ctx.p_mode)
@@ -58,9 +60,9 @@ class _LowPrecisionAttention(torch.autograd.Function):
         # kernel rescales it after.
         dq, dk, dv = torch.ops.fp4attn.bwd(
             do8, do_scale, delta, q8, k8, v8t, q_scale, k_scale, v_scale, qe, qe_scale, ke, ke_scale * ctx.sm_scale,
-            bias, row_ref, ctx.causal, ctx.p_mode, dout.dtype, ctx.grads_contiguous,
+            bias, row_ref, ctx.causal, ctx.p_mode, dout.dtype, ctx.grads_contiguous, *ctx.structure,
         )
-        return dq, dk, dv, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None
 
 
 def backward_inputs(dout, out, lse, row_ref, q8, q_scale, k8, k_scale, p_mode):
@@ -75,6 +77,36 @@ def default_p_mode(fmt: str) -> str:
     return "fp4" if fmt == "fp4" else "direct"
 
 
+# What a query row with no visible key gets, by what the replaced code computes there:
+# "zero" (SDPA with a boolean mask or -inf, FlashAttention's convention, and the op's own
+# result), "nan" (softmax over -inf fills), "mean" (the mean of V: softmax over equal
+# finite fills such as finfo.min, which hide the scores), or decided per row at run time
+# from an additive mask: "sdpa" (zero where the row's mask is all -inf, else mean) and
+# "softmax" (NaN there, else mean).
+EMPTY_ROWS = ("zero", "nan", "mean", "sdpa", "softmax")
+
+
+def empty_row_fill(out, empty, v, mode: str, additive=None):
+    """``out`` with the rows ``empty`` ([B, H, Nq], no visible key) given what ``mode``
+    says; ``additive``: the site's additive mask, read by the run-time modes.  Rows with a
+    visible key are untouched."""
+    if mode == "zero":
+        return out
+    if mode in ("sdpa", "softmax") and additive is not None:
+        all_neg_inf = (additive == -math.inf).all(-1).expand(empty.shape)
+    else:
+        all_neg_inf = torch.full((), mode == "nan", device=out.device)
+    mean = v.float().mean(dim=-2, keepdim=True)
+    mean = mean.repeat_interleave(out.shape[1] // v.shape[1], dim=1)  # GQA: V's head of each query head
+    if mode == "sdpa":
+        fill = torch.where(all_neg_inf[..., None], 0.0, mean)
+    elif mode == "mean":
+        fill = mean
+    else:
+        fill = torch.where(all_neg_inf[..., None], math.nan, mean)
+    return torch.where(empty[..., None], fill.to(out.dtype), out)
+
+
 def lowp_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -86,19 +118,32 @@ def lowp_attention(
     fmt: str = "fp8",
     p_mode: str | None = None,
     min_keys: int | None = None,
+    diagonal: int = 0,
+    window: int = 0,
+    key_padding: torch.Tensor | None = None,
+    empty_rows: str = "zero",
 ) -> torch.Tensor:
     """Drop-in for ``F.scaled_dot_product_attention`` (no dropout) in low precision.
 
-    ``q``: ``[B, H, Nq, D]`` or ``[B, Nq, D]``; ``k``, ``v``: same rank with ``Hkv``
-    dividing ``H`` (GQA/MQA without repeating K/V).  ``attn_mask``: boolean (True keeps)
-    or additive, broadcastable to ``[B, H, Nq, Nk]``.  ``scale``: float, SymFloat or
-    0-d tensor; None means ``1 / sqrt(D)``.  ``is_causal`` is top-left aligned, as SDPA.
+    ``q``: ``[B, H, Nq, D]`` or ``[B, Nq, D]``; ``k``: same rank with ``Hkv`` dividing ``H``
+    (GQA/MQA without repeating K/V); ``v``: like ``k`` with its own head dim.
+    ``attn_mask``: boolean (True keeps) or additive, broadcastable to ``[B, H, Nq, Nk]``.
+    ``scale``: float, SymFloat or 0-d tensor; None means ``1 / sqrt(D)``.  The causal
+    structure, which the kernels apply without a mask tensor (``formats.visible``):
+    ``is_causal`` (top-left, as SDPA, with ``diagonal`` 0), ``diagonal`` (key ``j``
+    visible to query ``i`` iff ``j <= i + diagonal``), ``window`` (and ``j > i + diagonal
+    - window``); ``key_padding``: ``[B, Nk]`` boolean, True for keys every query may see.
+    ``empty_rows``: what a query row with no visible key gets (``EMPTY_ROWS``).
     ``min_keys`` (inference only): low precision only from this many keys at run time,
     SDPA below, decided per call without a guard on the length (``fp4attn::by_length``).
     """
-    if v.shape[-1] != q.shape[-1] or k.shape[-1] != q.shape[-1]:
-        raise ValueError(f"head dims differ (q {q.shape[-1]}, k {k.shape[-1]}, v {v.shape[-1]}): "
+    if k.shape[-1] != q.shape[-1]:
+        raise ValueError(f"query and key head dims differ ({q.shape[-1]}, {k.shape[-1]}): "
                          "use F.scaled_dot_product_attention")
+    if empty_rows not in EMPTY_ROWS:
+        raise ValueError(f"empty_rows must be one of {EMPTY_ROWS}, got {empty_rows!r}")
+    if window and not is_causal:
+        raise ValueError("a window needs is_causal")
     if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (attn_mask, scale)):
         # The mask becomes a fixed bias and the scale is folded into the operands: neither
         # would get its gradient.  (The compiler leaves such sites to SDPA.)
@@ -118,7 +163,13 @@ def lowp_attention(
             # The op takes a float (a symbolic one would specialise the graph): fold the
             # scale into Q, one rounding to Q's dtype, far below the INT8 step of Q.
             q, scale = (q.float() * scale).to(q.dtype), 1.0
-        out = torch.ops.fp4attn.by_length(q, k, v, attn_mask, float(scale), is_causal, fmt, p_mode, min_keys)
+        out, empty = torch.ops.fp4attn.by_length(q, k, v, attn_mask, float(scale), is_causal, fmt, p_mode, min_keys,
+                                                 diagonal, window, key_padding)
     else:
-        out = _LowPrecisionAttention.apply(q, k, v, F.mask_to_log2_bias(attn_mask), scale, is_causal, fmt, p_mode)
+        out, lse = _LowPrecisionAttention.apply(q, k, v, F.mask_to_log2_bias(attn_mask, key_padding), scale,
+                                                is_causal, fmt, p_mode, diagonal, window)
+        empty = lse == -math.inf
+    if empty_rows != "zero":
+        additive = attn_mask if attn_mask is not None and attn_mask.dtype != torch.bool else None
+        out = empty_row_fill(out, empty, v, empty_rows, additive)
     return out.squeeze(1) if squeeze else out

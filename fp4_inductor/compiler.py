@@ -13,7 +13,7 @@ import torch
 
 from . import config
 from .config import Options
-from .patterns import find_sites, replace_site
+from .patterns import find_sites, graph_modules, replace_site
 from .patterns.common import value
 from .patterns.softmax import softmax_over_other_dim
 from .policy import Decision, decide
@@ -28,6 +28,7 @@ class SiteRecord:
     kind: str
     shape: tuple | None
     causal: bool
+    mask: str  # Site.mask_kind(): "none", "causal", "causal+padding", "window 4096", "dense", ...
     training: bool
     path: str
     reason: str
@@ -68,6 +69,7 @@ def _record(site, decision: Decision) -> SiteRecord:
         kind=site.kind,
         shape=site.shape(),
         causal=site.causal,
+        mask=site.mask_kind(),
         training=site.training(),
         path=decision.path,
         reason=decision.reason,
@@ -76,10 +78,12 @@ def _record(site, decision: Decision) -> SiteRecord:
 
 
 def rewrite(gm: torch.fx.GraphModule, options: Options) -> list[SiteRecord]:
+    """Rewrite ``gm`` and the graphs nested in it (``graph_modules``)."""
     rewrite_pass = AttentionRewritePass(options)
-    rewrite_pass(gm.graph)
-    gm.graph.lint()
-    gm.recompile()
+    for module in graph_modules(gm):
+        rewrite_pass(module.graph)
+        module.graph.lint()
+        module.recompile()
     return rewrite_pass.records
 
 

@@ -16,14 +16,14 @@ class Report:
     def __str__(self) -> str:
         if not self.sites:
             return "fp4attn: no attention sites found"
-        header = ("#", "site", "kind", "B,H,Hkv,Nq,Nkv,D", "causal", "train", "path", "speedup", "reason")
+        header = ("#", "site", "kind", "B,H,Hkv,Nq,Nkv,D", "mask", "train", "path", "speedup", "reason")
         rows = [
             (
                 str(i),
                 s.name or "-",
                 s.kind,
                 ",".join(map(str, s.shape)) if s.shape else "?",
-                "yes" if s.causal else "no",
+                s.mask,
                 "yes" if s.training else "no",
                 s.path,
                 f"{s.predicted_speedup:.2f}x" if s.predicted_speedup is not None else "-",

@@ -63,10 +63,46 @@ DS_BLOCK_DQ = (1, 128)
 
 
 def ds_block_dk(head_dim: int) -> tuple[int, int]:
-    """dK's dS scale block: one key over the dK/dV kernel's query step, 128 queries at
+    """dK's dS scale block: one key over the dK/dV kernel's query step, 128 queries up to
     D = 64 (a step's fixed work spread over twice the scores; the registers allow it) and
-    64 otherwise (at D = 128 a 128-query step spills)."""
-    return (128 if head_dim == 64 else 64, 1)
+    64 above (at D = 128 a 128-query step spills)."""
+    return (128 if head_dim <= 64 else 64, 1)
+
+
+# Head dims the ops take (Q/K and V each): every multiple of 8 from 32 to 256.  The
+# formats do not depend on it; the Triton kernels run the next power of two at or above
+# it (``kernel_head_dim``) with the padding channels masked to zero on load.
+MIN_HEAD_DIM, MAX_HEAD_DIM, HEAD_DIM_STEP = 32, 256, 8
+
+
+def supported_head_dim(d: int) -> bool:
+    return MIN_HEAD_DIM <= d <= MAX_HEAD_DIM and d % HEAD_DIM_STEP == 0
+
+
+def kernel_head_dim(d: int) -> int:
+    """The power of two a Triton kernel's tiles use for head dim ``d``: Triton's block
+    shapes are powers of two, and a zero channel adds nothing to a dot product."""
+    return 1 << (d - 1).bit_length()
+
+
+# ---------------------------------------------------------------- causal structure
+
+
+def visible(rows: torch.Tensor, cols: torch.Tensor, causal: bool, diagonal: int = 0, window: int = 0
+            ) -> torch.Tensor | None:
+    """Which (query, key) pairs the causal structure keeps, None for all.
+
+    Causal: key ``j`` is visible to query ``i`` iff ``j <= i + diagonal`` (SDPA's
+    ``is_causal`` is diagonal 0, top-left; queries that are the last rows of a longer key
+    sequence, as in decode and chunked prefill, have diagonal ``Nk - Nq``).  A window
+    ``w > 0`` (sliding-window attention) also needs ``j > i + diagonal - w``: each query
+    sees its last ``w`` keys.  ``rows``/``cols``: broadcastable index tensors."""
+    if not causal:
+        return None
+    keep = cols <= rows + diagonal
+    if window:
+        keep = keep & (cols > rows + diagonal - window)
+    return keep
 
 
 def p_lift(p_mode: str) -> float:
@@ -226,7 +262,8 @@ def backward_row_factor(lse: torch.Tensor, row_ref: torch.Tensor, p_mode: str) -
     this is the normalized probability.  Against R rather than ceil(lse2) the codes stay
     in E4M3's normal range however many keys share the row (perf-notes: gradient error
     by sequence length)."""
-    return torch.exp2(row_ref - p_lift(p_mode) - lse * LOG2E)
+    factor = torch.exp2(row_ref - p_lift(p_mode) - lse * LOG2E)
+    return torch.where(lse == -math.inf, 0.0, factor)  # an empty row has no gradient
 
 
 def expand_block_scale(scale: torch.Tensor, n: int) -> torch.Tensor:
@@ -323,18 +360,30 @@ def quantize_ds(ds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return _cast(ds / scale, E4M3, E4M3_MAX).float(), scale
 
 
-# Finite stand-in (log2 units) for -inf and finfo.min in masks.  Masked keys still get
-# P = 0 next to any real score.  A row whose every key is masked has the same stand-in
-# added to all its scores, which the row reference cancels: it gets the row's unmasked
-# weights (eager: zeros for SDPA's boolean masks, uniform for finfo.min, NaN for -inf;
-# README says so).  2**20 keeps 8 x + 120 - 8 m exact in float32, so those codes are
-# well defined.
+# Finite stand-in (log2 units) for -inf and finfo.min in masks: masked keys get P = 0
+# next to any real score.  2**20 keeps 8 x + 120 - 8 m exact in float32, so the codes of
+# a row are well defined whatever it holds.
 MASKED_LOG2 = -(2.0**20)
+# A row whose reference (the ceiling of its largest log2 score) stays below this saw no
+# visible key: every key masked (bias at MASKED_LOG2, or -inf from the causal structure).
+# Its output is zero and its LSE -inf, as FlashAttention and cuDNN define it;
+# ``attention.empty_row_fill`` gives such rows what the replaced code computed.  Real
+# scores never come near: it is 3.6e5 in natural-log units.
+EMPTY_ROW_LOG2 = MASKED_LOG2 / 2
 
 
-def mask_to_log2_bias(attn_mask: torch.Tensor | None) -> torch.Tensor | None:
-    if attn_mask is None:
-        return None
-    if attn_mask.dtype == torch.bool:
-        return torch.where(attn_mask, 0.0, MASKED_LOG2)
-    return (attn_mask.float() * LOG2E).clamp(min=MASKED_LOG2)
+def mask_to_log2_bias(attn_mask: torch.Tensor | None, key_padding: torch.Tensor | None = None
+                      ) -> torch.Tensor | None:
+    """The kernels' float32 bias in log2 units from an SDPA-style mask (boolean, True
+    keeps, or additive) and a ``[B, Nk]`` key-padding vector (True keeps): MASKED_LOG2
+    where masked, so values at or below about -7.3e5 count as masked."""
+    bias = None
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            bias = torch.where(attn_mask, 0.0, MASKED_LOG2)
+        else:
+            bias = (attn_mask.float() * LOG2E).clamp(min=MASKED_LOG2)
+    if key_padding is not None:
+        keep = key_padding[:, None, None, :]
+        bias = torch.where(keep, 0.0 if bias is None else bias, MASKED_LOG2)
+    return bias

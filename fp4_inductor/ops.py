@@ -32,20 +32,21 @@ def bnhd_empty(like: torch.Tensor, heads: int, rows: int, dim: int, dtype: torch
     return torch.empty(like.shape[0], rows, heads, dim, dtype=dtype, device=like.device).transpose(1, 2)
 
 
-def grads_empty(q: torch.Tensor, k: torch.Tensor, dtype: torch.dtype, contiguous: bool):
-    """dQ, dK and dV buffers ``[B, H, N, D]`` shaped like ``q``, ``k`` and ``k``:
+def grads_empty(q: torch.Tensor, k: torch.Tensor, v_t: torch.Tensor, dtype: torch.dtype, contiguous: bool):
+    """dQ, dK and dV buffers ``[B, H, N, D]`` shaped like ``q``, ``k`` and V (``v_t`` is
+    stored ``[B, H, Dv, N]``):
     contiguous where the inputs were (leaves, say, whose ``.grad`` autograd would otherwise
     re-lay out, a strided copy a step), else in ``bnhd_empty``'s layout (what a
     projection's ``view(B, N, H, D).transpose(1, 2)`` gives and its backward reads without
     a copy)."""
 
-    def empty(like):
-        b, h, n, d = like.shape
+    def empty(like, b, h, n, d):
         if contiguous:
             return torch.empty(b, h, n, d, dtype=dtype, device=like.device)
         return bnhd_empty(like, h, n, d, dtype)
 
-    return empty(q), empty(k), empty(k)
+    b, hkv, dv, nk = v_t.shape
+    return empty(q, *q.shape), empty(k, *k.shape), empty(v_t, b, hkv, nk, dv)
 
 
 def bnhd_like(x: torch.Tensor) -> torch.Tensor:
@@ -82,11 +83,11 @@ def quantize(
 @quantize.register_fake
 def _(q, k, v, sm_scale, fmt):
     b, h, nq, d = q.shape
-    hkv, nk = k.shape[1], k.shape[2]
+    hkv, nk, dv = k.shape[1], k.shape[2], v.shape[-1]
     return (
         q.new_empty(b, h, nq, d, dtype=torch.int8),
         q.new_empty(b, hkv, nk, d, dtype=torch.int8),
-        q.new_empty(b, hkv, d, nk, dtype=F.E4M3),
+        q.new_empty(b, hkv, dv, nk, dtype=F.E4M3),
         q.new_empty(b, h, nq, dtype=torch.float32),
         q.new_empty(b, hkv, (nk + F.SCALE_BLOCK - 1) // F.SCALE_BLOCK, dtype=torch.float32),
         q.new_empty(b, hkv, dtype=torch.float32),
@@ -105,34 +106,38 @@ def attention_fwd(
     causal: bool,
     p_mode: str,
     out_dtype: torch.dtype,
+    diagonal: int = 0,
+    window: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Attention over INT8 Q ``[B, H, Nq, D]`` (per-token scale), INT8 K ``[B, Hkv, Nk, D]``
-    (per-block scale), E4M3 V stored K-major ``[B, Hkv, D, Nk]`` (per-head scale) and an
-    optional float32 log2-unit bias broadcastable to ``[B, H, Nq, Nk]``.
-    Returns O ``[B, H, Nq, D]`` (stored ``[B, Nq, H, D]``), the natural-log LSE of the
+    (per-block scale), E4M3 V stored K-major ``[B, Hkv, Dv, Nk]`` (per-head scale) and an
+    optional float32 log2-unit bias broadcastable to ``[B, H, Nq, Nk]``; ``causal`` with
+    ``diagonal`` and ``window`` is the causal structure (``formats.visible``).
+    Returns O ``[B, H, Nq, Dv]`` (stored ``[B, Nq, H, Dv]``), the natural-log LSE of the
     represented probabilities and the integer row reference of the P codes (float32
-    ``[B, H, Nq]`` each; see ``reference.attention_forward``)."""
-    b, h, nq, d = q.shape
-    out = bnhd_empty(q, h, nq, d, out_dtype)
+    ``[B, H, Nq]`` each; see ``reference.attention_forward``).  A row with no visible key
+    gets O = 0 and LSE = -inf."""
+    b, h, nq, _ = q.shape
+    out = bnhd_empty(q, h, nq, v_t.shape[-2], out_dtype)
     lse, row_ref = (torch.empty(b, h, nq, dtype=torch.float32, device=q.device) for _ in range(2))
     kernel = forward_kernel(q, p_mode)
     if kernel is not None:
         try:
-            kernel(q, k, v_t, q_scale, k_scale, v_scale, bias, causal, p_mode, out, lse, row_ref)
+            kernel(q, k, v_t, q_scale, k_scale, v_scale, bias, causal, p_mode, out, lse, row_ref, diagonal, window)
             return out, lse, row_ref
         except Exception as err:  # never kill the model: same numbers from the reference
             _warn_once("fwd", f"fp4attn forward kernel failed ({err!r}); using the reference path")
     for dst, src in zip((out, lse, row_ref), reference.attention_forward(
-            q, k, v_t, q_scale, k_scale, v_scale, bias, causal, p_mode, out_dtype)):
+            q, k, v_t, q_scale, k_scale, v_scale, bias, causal, p_mode, out_dtype, diagonal, window)):
         dst.copy_(src)
     return out, lse, row_ref
 
 
 @attention_fwd.register_fake
-def _(q, k, v_t, q_scale, k_scale, v_scale, bias, causal, p_mode, out_dtype):
-    b, h, nq, d = q.shape
+def _(q, k, v_t, q_scale, k_scale, v_scale, bias, causal, p_mode, out_dtype, diagonal=0, window=0):
+    b, h, nq, _ = q.shape
     row = q.new_empty(b, h, nq, dtype=torch.float32)
-    return bnhd_empty(q, h, nq, d, out_dtype), row, torch.empty_like(row)
+    return bnhd_empty(q, h, nq, v_t.shape[-2], out_dtype), row, torch.empty_like(row)
 
 
 @torch.library.custom_op("fp4attn::bwd", mutates_args=())
@@ -156,24 +161,26 @@ def attention_bwd(
     p_mode: str,
     out_dtype: torch.dtype,
     grads_contiguous: bool = False,
+    diagonal: int = 0,
+    window: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients from the forward's saved operands; see ``reference.attention_backward``.
     dQ is w.r.t. Q times the softmax scale for the Ke scales ``formats.backward_operands``
     returns; ``attention.py`` passes them times the softmax scale, for dQ w.r.t. Q.  All
     three are stored as ``grads_empty`` lays them out: contiguous with ``grads_contiguous``
     (the attention's inputs were), else ``[B, N, H, D]``.  The kernels take any strides."""
-    dq, dk, dv = grads_empty(q, k, out_dtype, grads_contiguous)
+    dq, dk, dv = grads_empty(q, k, v_t, out_dtype, grads_contiguous)
     kernel = backward_kernel(q, p_mode)
     if kernel is not None:
         try:
             kernel(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale, qe, qe_scale, ke, ke_scale,
-                   bias, row_ref, causal, p_mode, dq, dk, dv)
+                   bias, row_ref, causal, p_mode, dq, dk, dv, diagonal, window)
             return dq, dk, dv
         except Exception as err:  # never kill the model: same numbers from the reference
             _warn_once("bwd", f"fp4attn backward kernel failed ({err!r}); using the reference path")
     grads = reference.attention_backward(
         do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale, qe, qe_scale, ke, ke_scale,
-        bias, row_ref, causal, p_mode, out_dtype,
+        bias, row_ref, causal, p_mode, out_dtype, diagonal, window,
     )
     for dst, src in zip((dq, dk, dv), grads):
         dst.copy_(src)
@@ -181,45 +188,71 @@ def attention_bwd(
 
 
 @attention_bwd.register_fake
-def _(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale, qe, qe_scale, ke, ke_scale, bias, row_ref, causal, p_mode, out_dtype,
-      grads_contiguous=False):
-    return grads_empty(q, k, out_dtype, grads_contiguous)
+def _(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale, qe, qe_scale, ke, ke_scale, bias, row_ref, causal,
+      p_mode, out_dtype, grads_contiguous=False, diagonal=0, window=0):
+    return grads_empty(q, k, v_t, out_dtype, grads_contiguous)
 
 
-def quantized_forward(q, k, v, bias, sm_scale, causal, fmt, p_mode):
+def quantized_forward(q, k, v, bias, sm_scale, causal, fmt, p_mode, diagonal=0, window=0):
     """quantize + fwd: the output, its LSE, the row reference and the quantized operands
     (what backward needs)."""
     out_dtype, op_scale = q.dtype, sm_scale
     if not isinstance(sm_scale, (int, float)):  # a tensor or symbolic scale: fold it in first
         q, op_scale = q.float() * sm_scale, 1.0
     operands = torch.ops.fp4attn.quantize(q, k, v, float(op_scale), fmt)
-    out, lse, row_ref = torch.ops.fp4attn.fwd(*operands, bias, causal, p_mode, out_dtype)
+    out, lse, row_ref = torch.ops.fp4attn.fwd(*operands, bias, causal, p_mode, out_dtype, diagonal, window)
     return out, lse, row_ref, operands
 
 
 @torch.library.custom_op("fp4attn::by_length", mutates_args=())
 def attention_by_length(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None, scale: float,
-    is_causal: bool, fmt: str, p_mode: str, min_keys: int,
-) -> torch.Tensor:
+    is_causal: bool, fmt: str, p_mode: str, min_keys: int, diagonal: int = 0, window: int = 0,
+    key_padding: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Low precision when the call has at least ``min_keys`` keys, SDPA otherwise: the
     cost model's crossover as a branch at run time, so a dynamic-length graph neither
     specialises nor recompiles at it.  Opaque to Inductor, hence inference only.
-    A row whose every key is masked gets what each path gives it: SDPA's result below
-    ``min_keys``, the finite average of ``formats.MASKED_LOG2`` from it on."""
+    Arguments as ``attention.lowp_attention``'s.  Returns the output and which rows had no
+    visible key (bool ``[B, H, Nq]``), whose output either path leaves for
+    ``attention.empty_row_fill``."""
     if k.shape[-2] >= min_keys:
-        return quantized_forward(q, k, v, F.mask_to_log2_bias(attn_mask), scale, is_causal, fmt, p_mode)[0]
-    if attn_mask is not None and is_causal:  # SDPA's GPU backends take one or the other
-        causal = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
-        attn_mask = attn_mask & causal if attn_mask.dtype == torch.bool else attn_mask.masked_fill(~causal, -math.inf)
-        is_causal = False
+        out, lse = quantized_forward(q, k, v, F.mask_to_log2_bias(attn_mask, key_padding), scale, is_causal, fmt,
+                                     p_mode, diagonal, window)[:2]
+        return out, lse == -math.inf
+    out, empty = sdpa_with_structure(q, k, v, attn_mask, scale, is_causal, diagonal, window, key_padding)
+    return bnhd_like(out), empty
+
+
+def sdpa_with_structure(q, k, v, attn_mask, scale, is_causal, diagonal=0, window=0, key_padding=None):
+    """BF16 SDPA over what ``lowp_attention``'s arguments mean (the causal structure and
+    key padding as a boolean mask): the output and the rows with no visible key, as
+    ``formats.mask_to_log2_bias`` counts them."""
+    nq, nk = q.shape[-2], k.shape[-2]
+    keep = F.visible(torch.arange(nq, device=q.device)[:, None], torch.arange(nk, device=q.device)[None, :],
+                     is_causal, diagonal, window)
+    if key_padding is not None:
+        pad = key_padding[:, None, None, :]
+        keep = pad if keep is None else keep & pad
+    bias = F.mask_to_log2_bias(attn_mask)
+    if keep is not None:  # SDPA's GPU backends take a mask or is_causal, not both
+        if attn_mask is None or attn_mask.dtype == torch.bool:
+            attn_mask = keep if attn_mask is None else attn_mask & keep
+        else:
+            attn_mask = attn_mask.masked_fill(~keep, -math.inf)
     if attn_mask is not None and attn_mask.dtype != torch.bool:
         attn_mask = attn_mask.to(q.dtype)  # SDPA takes an additive mask in the inputs' dtype
     out = torch.nn.functional.scaled_dot_product_attention(
-        q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
-    return bnhd_like(out)
+        q, k, v, attn_mask=attn_mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+    empty = torch.zeros(q.shape[:3], dtype=torch.bool, device=q.device)
+    if bias is not None or keep is not None:
+        visible = torch.ones((), dtype=torch.bool, device=q.device) if bias is None else bias > F.MASKED_LOG2
+        if keep is not None:
+            visible = visible & keep
+        empty = ~visible.expand(*q.shape[:3], nk).any(-1)
+    return out, empty
 
 
 @attention_by_length.register_fake
-def _(q, k, v, attn_mask, scale, is_causal, fmt, p_mode, min_keys):
-    return bnhd_empty(q, q.shape[1], q.shape[2], q.shape[-1], q.dtype)
+def _(q, k, v, attn_mask, scale, is_causal, fmt, p_mode, min_keys, diagonal=0, window=0, key_padding=None):
+    return bnhd_empty(q, q.shape[1], q.shape[2], v.shape[-1], q.dtype), q.new_empty(q.shape[:3], dtype=torch.bool)

@@ -22,11 +22,11 @@ import torch
 
 from .attention import default_p_mode
 from .config import Options
+from .formats import HEAD_DIM_STEP, MAX_HEAD_DIM, MIN_HEAD_DIM, supported_head_dim
 from .kernels import has_forward_kernel
 from .patterns.common import Site, value
 from .patterns.mha import mha_args
 
-SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -54,17 +54,15 @@ def unsupported_reason(site: Site) -> str | None:
     if not (q.dtype == k.dtype == v.dtype) or q.dtype not in SUPPORTED_DTYPES:
         return f"dtypes {q.dtype}/{k.dtype}/{v.dtype} (need one of fp16, bf16, fp32)"
     if site.dims is not None:  # nn.MultiheadAttention: the matcher read the head layout
-        d = site.shape()[-1]
-        if d not in SUPPORTED_HEAD_DIMS:
-            return f"head dim {d} is not one of {SUPPORTED_HEAD_DIMS}"
-        return _mask_grad_reason(site)
+        return _head_dim_reason(site.shape()[-1], site.shape()[-1]) or _mask_grad_reason(site)
     if not (q.dim() == k.dim() == v.dim()) or q.dim() not in (3, 4):
         return "query, key and value must all be 3-d or 4-d"
     d = q.shape[-1]
-    if not (d == k.shape[-1] == v.shape[-1]):
-        return "value head dim differs from query/key head dim"
-    if d not in SUPPORTED_HEAD_DIMS:
-        return f"head dim {d} is not one of {SUPPORTED_HEAD_DIMS}"
+    if d != k.shape[-1]:
+        return "query and key head dims differ"
+    reason = _head_dim_reason(d, v.shape[-1])
+    if reason is not None:
+        return reason
     if not (q.shape[0] == k.shape[0] == v.shape[0]) or k.shape[-2] != v.shape[-2]:
         return "batch or key-length mismatch between query, key and value"
     if q.dim() == 4 and (k.shape[1] != v.shape[1] or q.shape[1] % k.shape[1] != 0):
@@ -73,9 +71,16 @@ def unsupported_reason(site: Site) -> str | None:
     if reason is not None:
         return reason
     scores = (*q.shape[:-1], k.shape[-2])
-    for mask in _mask_values(site):
+    for mask in _mask_values(site, dense=True):
         if mask.dim() > 0 and not _broadcasts(mask.shape, scores):
             return f"mask of shape {tuple(mask.shape)} does not broadcast to scores {tuple(scores)}"
+    return None
+
+
+def _head_dim_reason(d: int, dv: int) -> str | None:
+    for name, n in (("head dim", d), ("value head dim", dv)):
+        if not supported_head_dim(n):
+            return f"{name} {n} is not a multiple of {HEAD_DIM_STEP} from {MIN_HEAD_DIM} to {MAX_HEAD_DIM}"
     return None
 
 
@@ -87,17 +92,19 @@ def _mask_grad_reason(site: Site) -> str | None:
     return None
 
 
-def _mask_nodes(site: Site) -> list:
-    """The site's masks (None where absent)."""
+def _mask_nodes(site: Site, dense: bool = False) -> list:
+    """The site's masks (None where absent); with ``dense``, only those read per score
+    (not the key-padding vector its structure holds)."""
     if site.kind == "mha":  # its masks stay arguments of the call (MHA's own conventions)
         args = mha_args(site.anchor)
         return [args["attn_mask"], args["key_padding_mask"]]
-    return [site.attn_mask, *site.keep_masks, *site.drop_masks, *(m for m, _ in site.bias_terms)]
+    pad = site.structure.key_padding if site.structure is not None and not dense else None
+    return [site.attn_mask, pad, *(m for m, _ in (*site.keep_masks, *site.drop_masks, *site.bias_terms))]
 
 
-def _mask_values(site: Site) -> list[torch.Tensor]:
-    nodes = _mask_nodes(site)
-    if isinstance(site.scale, tuple):
+def _mask_values(site: Site, dense: bool = False) -> list[torch.Tensor]:
+    nodes = _mask_nodes(site, dense)
+    if isinstance(site.scale, tuple) and not dense:
         nodes += [f for f, _ in site.scale]
     return [t for t in (value(n) for n in nodes) if isinstance(t, torch.Tensor)]
 
@@ -130,14 +137,24 @@ class SiteShape:
     d: int
     causal: bool
     training: bool
+    dv: int | None = None  # the value head dim where it differs from d
+    mask: str = "none"  # Site.mask_kind()
+    visible: float | None = None  # the fraction of scores the causal structure keeps, where known
 
     def flops(self) -> float:
-        """Matrix FLOPs: 4 B H Nq Nk D forward (about half when causal), 3.5x for fwd+bwd."""
-        fwd = 4.0 * self.b * self.h * self.nq * self.nk * self.d * (0.5 if self.causal else 1.0)
+        """Matrix FLOPs: 2 B H Nq Nk (D + Dv) forward over the visible scores (about half
+        when causal), 3.5x for fwd+bwd."""
+        fraction = self.visible if self.visible is not None else (0.5 if self.causal else 1.0)
+        fwd = 2.0 * self.b * self.h * self.nq * self.nk * (self.d + (self.dv or self.d)) * fraction
         return fwd * (3.5 if self.training else 1.0)
 
     def table_key(self) -> str:
-        return f"d{self.d}/{'causal' if self.causal else 'full'}/{'train' if self.training else 'fwd'}"
+        """The cost table's key: what changes which kernel runs and how fast.  The
+        measured rates are for SDPA's own causal structure or none; masks and other value
+        head dims have keys of their own."""
+        dims = f"d{self.d}" + (f"v{self.dv}" if self.dv and self.dv != self.d else "")
+        key = f"{dims}/{'causal' if self.causal else 'full'}/{'train' if self.training else 'fwd'}"
+        return key if self.mask in ("none", "causal") else f"{key}/{self.mask.split(' ')[0]}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -248,7 +265,10 @@ class AnalyticModel:
                 f"{self.bandwidth / 1e12:.2f} TB/s")
 
     def speedup(self, shape: SiteShape, fmt: str) -> float | None:
-        if shape.training or fmt != "fp8":  # modelled: the fp8 direct-P forward only
+        # Modelled: the fp8 direct-P forward of the kernels' own head dims, unmasked or causal.
+        if shape.training or fmt != "fp8" or shape.table_key() != SiteShape(
+                shape.b, shape.h, shape.hkv, shape.nq, shape.nk, shape.d, shape.causal, False).table_key() \
+                or shape.d not in (64, 128):
             return None
         s = shape
         per_second = self.sms * self.clock_hz
@@ -279,7 +299,22 @@ def site_shape(site: Site) -> SiteShape | None:
     dims = site.shape()
     if dims is None:
         return None
-    return SiteShape(*dims, causal=site.causal, training=site.training())
+    v = value(site.v)
+    dv = v.shape[-1] if site.dims is None and isinstance(v, torch.Tensor) else dims[-1]
+    s = site.structure
+    visible = None
+    if s is not None and s.causal and all(isinstance(x, int) for x in (s.diagonal[0], s.window)) and not s.diagonal[1]:
+        visible = visible_fraction(dims[3], dims[4], s.diagonal[0], s.window)
+    return SiteShape(*dims, causal=site.causal, training=site.training(), dv=dv if dv != dims[-1] else None,
+                     mask=site.mask_kind(), visible=visible)
+
+
+def visible_fraction(nq: int, nk: int, diagonal: int, window: int) -> float:
+    """The fraction of the Nq x Nk scores that ``formats.visible`` keeps."""
+    rows = torch.arange(nq, dtype=torch.float64)
+    hi = (rows + diagonal).clamp(max=nk - 1)
+    lo = (rows + diagonal - window + 1).clamp(min=0) if window else torch.zeros_like(rows)
+    return float((hi - lo + 1).clamp(min=0).sum()) / (nq * nk)
 
 
 def decide(site: Site, options: Options, tuned: dict | None = None) -> Decision:
@@ -347,7 +382,8 @@ def cost_model_decision(shape: SiteShape, fmt: str, model: "CostTable | Analytic
                         "run fp4_inductor.tune() or use policy='always'")
     speedup = model.speedup(shape, fmt)
     if speedup is None:
-        return Decision("bf16", f"{model.label} has no rate for {shape.table_key()}")
+        return Decision("bf16", f"{shape.table_key()} not measured on this GPU ({model.label} has no rate; "
+                        "fp4_inductor.tune() measures it)")
     return _verdict(fmt, speedup, speedup >= MIN_SPEEDUP, label=model.label)
 
 
@@ -384,11 +420,9 @@ def crossover_length(shape: SiteShape, fmt: str, model: "CostTable | AnalyticMod
 
 def site_key(site: Site, fmt: str, p_mode: str | None) -> str:
     """Identity of a site in the tuning cache: everything its timing and accuracy depend
-    on (shape, causality, training, dtype, an added mask, the format and its P mode)."""
+    on (shape, the masks and causal structure, training, dtype, the format and its P mode)."""
     s = site_shape(site)
     dtype = str(value(site.q).dtype).removeprefix("torch.")
-    masked = any(n is not None for n in _mask_nodes(site))
     parts = (fmt, p_mode or default_p_mode(fmt), dtype, f"b{s.b}", f"h{s.h}", f"kv{s.hkv}", f"q{s.nq}", f"k{s.nk}",
-             f"d{s.d}", "masked" if masked else "unmasked", "causal" if s.causal else "full",
-             "train" if s.training else "fwd")
+             f"d{s.d}" + (f"v{s.dv}" if s.dv else ""), s.mask.replace(" ", ""), "train" if s.training else "fwd")
     return "/".join(parts)

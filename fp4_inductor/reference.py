@@ -40,9 +40,11 @@ def log2_scores(
     causal: bool,
     keys: slice,
     queries: slice = slice(None),
+    diagonal: int = 0,
+    window: int = 0,
 ) -> torch.Tensor:
     """``x = (q8 . k8) * (q_scale * log2e * k_scale) + bias`` for one key range (and
-    query range), -inf above the diagonal when causal (top-left aligned, as SDPA's).
+    query range), -inf where the causal structure hides a key (``formats.visible``).
     float64: without a bias the exact product, which Direct-P's codes round once (the
     kernels fold the product into their FFMA); its other uses round it to float32 first
     (``x.float()``, the kernels' ``mul.rn``).  With a bias, the float32 FMA."""
@@ -59,11 +61,10 @@ def log2_scores(
     else:
         b = bias.expand(*q8.shape[:2], nq, nk)[..., queries, keys]
         x = _fma(acc, t, b).double()
-    if causal:
-        rows = torch.arange(nq, device=x.device)[queries][:, None]
-        cols = torch.arange(nk, device=x.device)[keys][None, :]
-        x = x.masked_fill(cols > rows, float("-inf"))
-    return x
+    rows = torch.arange(nq, device=x.device)[queries][:, None]
+    cols = torch.arange(nk, device=x.device)[keys][None, :]
+    keep = F.visible(rows, cols, causal, diagonal, window)
+    return x if keep is None else x.masked_fill(~keep, float("-inf"))
 
 
 def _probability(x: torch.Tensor, m: torch.Tensor, p_mode: str) -> torch.Tensor:
@@ -85,19 +86,23 @@ def attention_forward(
     causal: bool,
     p_mode: str,
     out_dtype: torch.dtype,
+    diagonal: int = 0,
+    window: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns O ``[B, H, Nq, D]`` in ``out_dtype``, the natural-log LSE ``[B, H, Nq]`` and
+    """Returns O ``[B, H, Nq, Dv]`` in ``out_dtype``, the natural-log LSE ``[B, H, Nq]`` and
     the integer row reference the codes were last built against (the ceiling of each
-    row's largest log2 score, float32 ``[B, H, Nq]``), which backward rebuilds P from."""
-    b, h, nq, d = q8.shape
-    nk = k8.shape[-2]
+    row's largest log2 score, float32 ``[B, H, Nq]``), which backward rebuilds P from.
+    A row with no visible key (``formats.EMPTY_ROW_LOG2``) gets O = 0, LSE = -inf and
+    reference 0."""
+    b, h, nq, _ = q8.shape
+    nk, dv = k8.shape[-2], v8t.shape[-2]
     v = _heads(v8t.transpose(-1, -2), h).float()
     m = torch.full((b, h, nq, 1), float("-inf"), device=q8.device)
     l = torch.zeros((b, h, nq, 1), device=q8.device)
-    acc = torch.zeros((b, h, nq, d), device=q8.device)
+    acc = torch.zeros((b, h, nq, dv), device=q8.device)
     for start in range(0, nk, F.KEY_TILE):
         keys = slice(start, min(start + F.KEY_TILE, nk))
-        x = log2_scores(q8, k8, q_scale, k_scale, bias, causal, keys)
+        x = log2_scores(q8, k8, q_scale, k_scale, bias, causal, keys, diagonal=diagonal, window=window)
         m_new = torch.maximum(m, torch.ceil(x.float().amax(dim=-1, keepdim=True)))
         # Rows with every key so far masked keep reference -inf and contribute nothing.
         alpha = torch.where(m_new == m, 1.0, torch.exp2(m - m_new))
@@ -105,8 +110,10 @@ def attention_forward(
         l = l * alpha + p.sum(dim=-1, keepdim=True)
         acc = acc * alpha + p @ v[..., keys, :]
         m = m_new
-    out = acc * (_heads(v_scale, h)[..., None, None] / l)
-    lse = (m + torch.log2(l) - F.p_lift(p_mode)) * F.LN2
+    empty = m < F.EMPTY_ROW_LOG2
+    out = torch.where(empty, 0.0, acc * (_heads(v_scale, h)[..., None, None] / l))
+    lse = torch.where(empty, float("-inf"), (m + torch.log2(l) - F.p_lift(p_mode)) * F.LN2)
+    m = torch.where(empty, 0.0, m)
     return out.to(out_dtype), lse.squeeze(-1), m.squeeze(-1)
 
 
@@ -147,6 +154,8 @@ def attention_backward(
     causal: bool,
     p_mode: str,
     out_dtype: torch.dtype,
+    diagonal: int = 0,
+    window: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients w.r.t. the quantized operands' real values: dQ (for Q times the softmax
     scale), dK, dV.  ``do8`` is dO times ``formats.backward_row_factor`` in E5M2,
@@ -166,7 +175,7 @@ def attention_backward(
     dq, dk, dv = [], 0.0, 0.0
     for start in range(0, nq, step):
         rows = slice(start, min(start + step, nq))
-        x = log2_scores(q8, k8, q_scale, k_scale, bias, causal, slice(0, nk), rows)
+        x = log2_scores(q8, k8, q_scale, k_scale, bias, causal, slice(0, nk), rows, diagonal, window)
         p = _probability(x, r[..., rows, None], p_mode)
         ds = p * (do[..., rows, :] @ v.transpose(-1, -2) - delta[..., rows, None])
         dq.append(quantize_ds_blocks(ds, F.DS_BLOCK_DQ) @ k)

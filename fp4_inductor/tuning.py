@@ -20,11 +20,12 @@ from pathlib import Path
 import torch
 
 from . import __version__, config
-from .attention import lowp_attention
-from .patterns import find_sites, replace_site
+from . import ops
+from .attention import empty_row_fill, lowp_attention
+from .patterns import find_sites, graph_modules, replace_site
 from .policy import MIN_MEASURED_SPEEDUP, decide, gpu_slug, site_key
 
-SCHEMA = 2  # 2: keys name the dtype, an added mask and the P mode
+SCHEMA = 3  # 2: keys name the dtype, an added mask and the P mode; 3: the mask kind and value head dim
 PATHS = ("fp8", "fp4", "bf16")
 _ENTRY_FIELDS = {"path": str, "speedup": float, "cosine": float, "t_low_ms": float, "t_bf16_ms": float}
 
@@ -125,23 +126,26 @@ def _median_ms(fn, rep_ms: int) -> float:
     return do_bench(fn, warmup=25, rep=rep_ms, return_mode="median")
 
 
-def _probe(q, k, v, attn_mask=None, scale=None, is_causal=False, *, fmt, p_mode, key, results, min_cosine, rep_ms):
+def _probe(q, k, v, attn_mask=None, scale=None, is_causal=False, *, fmt, p_mode, key, results, min_cosine, rep_ms,
+           empty_rows="zero", **structure):
     """Runs in place of a site while tuning: BF16 SDPA (what the site falls back to) and
     the low-precision path on the real activations; records time and accuracy, returns
-    the BF16 output so the model runs on unchanged."""
-    sdpa_kwargs = {"attn_mask": attn_mask, "scale": scale, "is_causal": is_causal,
-                   "enable_gqa": q.dim() == 4 and q.shape[1] != k.shape[1]}
+    the BF16 output so the model runs on unchanged.  ``structure``: the causal structure
+    and key padding ``lowp_attention`` takes."""
     training = q.requires_grad
     q, k, v = (t.detach().requires_grad_(training) for t in (q, k, v))
 
     def bf16():
-        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, **sdpa_kwargs)
+        out, empty = ops.sdpa_with_structure(q, k, v, attn_mask, scale, is_causal, **structure)
+        out = empty_row_fill(out, empty, v, empty_rows,
+                             attn_mask if attn_mask is not None and attn_mask.dtype != torch.bool else None)
         if training:
             out.backward(torch.ones_like(out))
         return out
 
     def low():
-        out = lowp_attention(q, k, v, attn_mask, scale, is_causal, fmt=fmt, p_mode=p_mode)
+        out = lowp_attention(q, k, v, attn_mask, scale, is_causal, fmt=fmt, p_mode=p_mode, empty_rows=empty_rows,
+                             **structure)
         if training:
             out.backward(torch.ones_like(out))
         return out
@@ -186,22 +190,23 @@ def tune(model_or_fn, *args, fmt: str | None = None, min_cosine: float | None = 
     def probe_for(key: str):
         # A closure, not graph arguments: FX copies dict arguments when it builds a node,
         # so results written through one would land in the copy.
-        def probe(q, k, v, attn_mask=None, scale=None, is_causal=False, *, fmt, p_mode):
+        def probe(q, k, v, attn_mask=None, scale=None, is_causal=False, *, fmt, p_mode, **structure):
             return _probe(q, k, v, attn_mask, scale, is_causal, fmt=fmt, p_mode=p_mode, key=key,
-                          results=measured, min_cosine=options.min_cosine, rep_ms=rep_ms)
+                          results=measured, min_cosine=options.min_cosine, rep_ms=rep_ms, **structure)
 
         return probe
 
     def probing_backend(gm, example_inputs):
-        for site in find_sites(gm.graph):
-            # nn.MultiheadAttention sites keep their projections inside the call: no probe yet.
-            if site.kind == "mha" or not decide(site, options).low_precision:
-                continue
-            p_mode = options.p_mode_for(options.fmt)
-            key = site_key(site, options.fmt, p_mode)
-            results.append(TuneResult(key, site.name, {}))
-            replace_site(gm.graph, site, options.fmt, p_mode, target=probe_for(key))
-        gm.recompile()
+        for module in graph_modules(gm):
+            for site in find_sites(module.graph):
+                # nn.MultiheadAttention sites keep their projections inside the call: no probe yet.
+                if site.kind == "mha" or not decide(site, options).low_precision:
+                    continue
+                p_mode = options.p_mode_for(options.fmt)
+                key = site_key(site, options.fmt, p_mode)
+                results.append(TuneResult(key, site.name, {}))
+                replace_site(module.graph, site, options.fmt, p_mode, target=probe_for(key))
+            module.recompile()
         return gm.forward
 
     run_once(model_or_fn, probing_backend, *args, **kwargs)

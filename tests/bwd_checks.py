@@ -51,38 +51,40 @@ def launcher():
     return attention_bwd.attention_backward
 
 
-def operands(b, h, hkv, nq, nk, d, p_mode, causal, bias_kind=None):
-    """Backward operands on the CPU, produced as attention.py produces them."""
-    quantized, bias = quantized_operands(b, h, hkv, nq, nk, d, p_mode, bias_kind)
-    return operands_of(quantized, bias, causal, p_mode)
+def operands(b, h, hkv, nq, nk, d, p_mode, causal, bias_kind=None, dv=None, **structure):
+    """Backward operands on the CPU, produced as attention.py produces them.  ``dv``: a
+    value head dim other than ``d``; ``structure``: ``diagonal``/``window``."""
+    quantized, bias = quantized_operands(b, h, hkv, nq, nk, d, p_mode, bias_kind, dv=dv)
+    return operands_of(quantized, bias, causal, p_mode, **structure)
 
 
-def operands_of(quantized, bias, causal, p_mode):
+def operands_of(quantized, bias, causal, p_mode, diagonal=0, window=0):
     """Backward operands from the forward's quantized ones (q8, k8, vt, qs, ks, vs), on
     the CPU, with a random dO."""
     q8, k8, vt, qs, ks, vs = quantized
-    b, h, nq, d = q8.shape
-    dout = torch.randn(b, h, nq, d)
-    out, lse, row_ref = R.attention_forward(q8, k8, vt, qs, ks, vs, bias, causal, p_mode, torch.float32)
+    b, h, nq, _ = q8.shape
+    dout = torch.randn(b, h, nq, vt.shape[-2])
+    out, lse, row_ref = R.attention_forward(q8, k8, vt, qs, ks, vs, bias, causal, p_mode, torch.float32,
+                                            diagonal, window)
     do8, dos = F.quantize_do(dout, lse, row_ref, p_mode)
     delta = (do8.float() * dos[..., None, None] * out).sum(dim=-1)
     qe, qes, ke, kes = F.backward_operands(q8, qs, k8, ks)
     return (do8, dos, delta, q8, k8, vt, qs, ks, vs, qe, qes, ke, kes, bias, row_ref)
 
 
-def run(ops, causal, p_mode, out_dtype=torch.float32, debug=True, device="cuda", **hooks):
+def run(ops, causal, p_mode, out_dtype=torch.float32, debug=True, device="cuda", diagonal=0, window=0, **hooks):
     """The Triton backward launcher on ``ops`` (moved to ``device``): gradients and the
     debug dumps (P, dP, dS), on the CPU.  ``hooks``: the launcher's ``dq_kernel`` and
     ``dkdv_kernel`` (asked only without ``debug``)."""
     b, h, nq, d = ops[3].shape
-    hkv, nk = ops[4].shape[1], ops[4].shape[2]
+    hkv, nk, dv_dim = ops[4].shape[1], ops[4].shape[2], ops[5].shape[-2]
     # Allocated as the op does ([B, N, H, D] storage), poisoned.
     dq = torch.full((b, nq, h, d), float("nan"), dtype=out_dtype, device=device).transpose(1, 2)
     dk = torch.full((b, nk, hkv, d), float("nan"), dtype=out_dtype, device=device).transpose(1, 2)
-    dv = torch.full((b, nk, hkv, d), float("nan"), dtype=out_dtype, device=device).transpose(1, 2)
+    dv = torch.full((b, nk, hkv, dv_dim), float("nan"), dtype=out_dtype, device=device).transpose(1, 2)
     dbg = tuple(torch.full((b, h, nq, nk), float("nan"), device=device) for _ in range(3)) if debug else None
     dev = [None if t is None else t.to(device) for t in ops]
-    launcher()(*dev, causal, p_mode, dq, dk, dv, debug=dbg, **hooks)
+    launcher()(*dev, causal, p_mode, dq, dk, dv, diagonal=diagonal, window=window, debug=dbg, **hooks)
     if device == "cuda":
         torch.cuda.synchronize()
     # Tiles a kernel skips (wholly above the causal diagonal) hold P = dP = dS = 0.
@@ -126,7 +128,7 @@ def _check_ds_codes(ds_kernel, ds_unrounded, noise, block):
     assert differ.sum() <= 5 + 1e-2 * differ.numel(), f"{int(differ.sum())} dS codes on rounding midpoints"
 
 
-def check(ops, causal, p_mode, grads, dumps):
+def check(ops, causal, p_mode, grads, dumps, diagonal=0, window=0):
     do8, dos, delta, q8, k8, vt, qs, ks, vs, qe, qes, ke, kes, bias, row_ref = ops
     h, hkv = q8.shape[1], k8.shape[1]
     for g in grads:
@@ -134,7 +136,7 @@ def check(ops, causal, p_mode, grads, dumps):
     p_k, dp_k, ds_dq = dumps
 
     # 1. P codes
-    x = R.log2_scores(q8, k8, qs, ks, bias, causal, slice(0, k8.shape[-2]))
+    x = R.log2_scores(q8, k8, qs, ks, bias, causal, slice(0, k8.shape[-2]), diagonal=diagonal, window=window)
     p_ref = R._probability(x, row_ref[..., None], p_mode)
     flips = p_k != p_ref
     if p_mode == "exp":
@@ -180,7 +182,7 @@ def check(ops, causal, p_mode, grads, dumps):
     # 4. the reference itself
     # (dS that is zero up to rounding, e.g. one key, gives gradients made of that noise:
     # the bound adds what the dS noise bound carries into each gradient.)
-    ref = R.attention_backward(*ops, causal, p_mode, torch.float32)
+    ref = R.attention_backward(*ops, causal, p_mode, torch.float32, diagonal, window)
     carried = (noise @ kd.abs(), R._group_sum(noise.transpose(-1, -2) @ qd.abs(), hkv), torch.zeros(()))
     for name, got, r, c in zip("dq dk dv".split(), grads, ref, carried):
         err = (got.double() - r.double()).norm().item()

@@ -48,13 +48,14 @@ def grads(fn, inputs, grad_out=None):
     return out.detach(), [t.grad.detach().clone() for t in inputs]
 
 
-def quantized_operands(b, h, hkv, nq, nk, d, p_mode, bias_kind=None, scale=1.0):
+def quantized_operands(b, h, hkv, nq, nk, d, p_mode, bias_kind=None, scale=1.0, dv=None):
     """Gaussian Q, K, V quantized as attention.py does (on the CPU), the forward op's
     operands ``(q8, k8, v_t, q_scale, k_scale, v_scale)``, and an optional log2 bias:
-    ``"keypad"`` (a boolean key-padding mask as lowered) or ``"dense"`` (random)."""
+    ``"keypad"`` (a boolean key-padding mask as lowered) or ``"dense"`` (random).
+    ``dv``: the value head dim, if not ``d``."""
     q = torch.randn(b, h, nq, d) * scale
     k = torch.randn(b, hkv, nk, d) * scale
-    v = torch.randn(b, hkv, nk, d)
+    v = torch.randn(b, hkv, nk, dv or d)
     operands = F.quantize_inputs(q, k, v, 1.0 / math.sqrt(d), "fp4" if p_mode == "fp4" else "fp8")
     bias = None
     if bias_kind == "keypad":

@@ -19,7 +19,7 @@ def launched(monkeypatch):
     calls = []
 
     def module(family, name):
-        def attention_forward(*args):
+        def attention_forward(*args, **structure):
             if family == "gluon" and "break gluon" in calls:
                 raise RuntimeError("compile error")
             calls.append(family)
@@ -34,25 +34,28 @@ def launched(monkeypatch):
     return calls
 
 
-def _launch(p_mode, causal, nq, nk, bias=None):
-    q, k = torch.empty(1, 2, nq, 128), torch.empty(1, 2, nk, 128)
+def _launch(p_mode, causal, nq, nk, bias=None, d=128, diagonal=0, window=0):
+    q, k, v_t = torch.empty(1, 2, nq, d), torch.empty(1, 2, nk, d), torch.empty(1, 2, d, nk)
     rows = torch.empty(1, 2, nq)
-    kernels._forward(q, k, k, rows, None, None, bias, causal, p_mode, q, rows, rows)
+    kernels._forward(q, k, v_t, rows, None, None, bias, causal, p_mode, q, rows, rows, diagonal, window)
 
 
-@pytest.mark.parametrize("p_mode,causal,nq,nk,bias,expected", [
-    ("direct", False, 4096, 4096, None, "gluon"),
-    ("direct", False, 4080, 4080, None, "triton"),  # below GLUON_MIN_KEYS
-    ("direct", False, 4104, 4104, None, "triton"),  # keys not a multiple of 16
-    ("direct", False, 1, 8192, None, "triton"),  # decode: unmeasured for Gluon
-    ("direct", True, 4096, 4096, None, "triton"),  # causal needs more keys
-    ("direct", True, 8192, 8192, None, "gluon"),
-    ("direct", False, 4096, 4096, torch.zeros(1), "triton"),  # outside the Gluon kernel's scope
-    ("exp", False, 8192, 8192, None, "triton"),  # measured faster on Triton
-    ("fp4", False, 8192, 8192, None, "triton"),
+@pytest.mark.parametrize("p_mode,causal,nq,nk,bias,expected,extra", [
+    ("direct", True, 8192, 8192, None, "triton", {"diagonal": 4}),  # a causal offset: Triton's
+    ("direct", True, 8192, 8192, None, "triton", {"window": 4096}),  # a window: Triton's
+    ("direct", False, 8192, 8192, None, "triton", {"d": 96}),  # head dims the Gluon kernel lacks
+    ("direct", False, 4096, 4096, None, "gluon", {}),
+    ("direct", False, 4080, 4080, None, "triton", {}),  # below GLUON_MIN_KEYS
+    ("direct", False, 4104, 4104, None, "triton", {}),  # keys not a multiple of 16
+    ("direct", False, 1, 8192, None, "triton", {}),  # decode: unmeasured for Gluon
+    ("direct", True, 4096, 4096, None, "triton", {}),  # causal needs more keys
+    ("direct", True, 8192, 8192, None, "gluon", {}),
+    ("direct", False, 4096, 4096, torch.zeros(1), "triton", {}),  # outside the Gluon kernel's scope
+    ("exp", False, 8192, 8192, None, "triton", {}),  # measured faster on Triton
+    ("fp4", False, 8192, 8192, None, "triton", {}),
 ])
-def test_forward_dispatch(launched, p_mode, causal, nq, nk, bias, expected):
-    _launch(p_mode, causal, nq, nk, bias)
+def test_forward_dispatch(launched, p_mode, causal, nq, nk, bias, expected, extra):
+    _launch(p_mode, causal, nq, nk, bias, **extra)
     assert launched == [expected]
 
 

@@ -47,4 +47,4 @@ class TestGolden(expecttest.TestCase):
         model = transformers.LlamaForCausalLM(cfg).eval()
         with torch.no_grad():
             text = rewritten_calls(model, input_ids=torch.randint(0, 128, (1, 32)))
-        self.assertExpectedInline(text, """lowp_attention = lowp_attention(('q_embed', 'keys', 'values'), {'attn_mask': 'mask', 'scale': 0.125, 'is_causal': False, 'fmt': 'fp8', 'p_mode': None})""")
+        self.assertExpectedInline(text, """lowp_attention = lowp_attention(('q_embed', 'keys', 'values'), {'attn_mask': None, 'scale': 0.125, 'is_causal': True, 'fmt': 'fp8', 'p_mode': None, 'diagonal': 0, 'window': 0, 'empty_rows': 'mean'})""")

@@ -23,15 +23,21 @@ pytest.importorskip("triton")
 TESTS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TESTS)
 
-# (B, H, Hkv, Nq, Nk, D, bias), P mode, causal: one key and one query, GQA with key
-# padding, MQA with more keys than queries, a dense bias, and each P mode.
+# (B, H, Hkv, Nq, Nk, D, bias), P mode, causal, extra (value head dim ``dv``, causal
+# ``diagonal`` and ``window``): one key and one query, GQA with key padding, MQA with more
+# keys than queries, a dense bias, each P mode, head dims that are not powers of two
+# (the kernels' padded channels), D_qk != D_v, and the causal structures: bottom-right
+# with a window, and more queries than keys (rows with no visible key).
 CASES = [
-    ((2, 4, 4, 1, 1, 64, None), "direct", True),
-    ((1, 4, 2, 203, 260, 128, "keypad"), "direct", False),
-    ((1, 4, 1, 130, 300, 64, None), "direct", True),
-    ((1, 2, 1, 257, 129, 64, "dense"), "direct", True),
-    ((1, 4, 1, 130, 140, 64, None), "exp", True),
-    ((1, 2, 2, 113, 300, 64, None), "fp4", False),
+    ((2, 4, 4, 1, 1, 64, None), "direct", True, {}),
+    ((1, 4, 2, 203, 260, 128, "keypad"), "direct", False, {}),
+    ((1, 4, 1, 130, 300, 64, None), "direct", True, {}),
+    ((1, 2, 1, 257, 129, 64, "dense"), "direct", True, {}),
+    ((1, 4, 1, 130, 140, 64, None), "exp", True, {}),
+    ((1, 2, 2, 113, 300, 64, None), "fp4", False, {}),
+    ((1, 2, 1, 140, 330, 80, None), "direct", True, {"diagonal": 190, "window": 150}),
+    ((1, 2, 1, 300, 130, 40, "keypad"), "direct", True, {"diagonal": -170}),
+    ((1, 1, 1, 65, 130, 192, None), "direct", False, {"dv": 128}),
 ]
 
 SCRIPT = """
@@ -41,9 +47,11 @@ from fp4_inductor.kernels.triton import attention_bwd
 from triton.runtime.interpreter import InterpretedFunction
 assert isinstance(attention_bwd._bwd_dkdv_kernel, InterpretedFunction), "not interpreted"
 torch.manual_seed({seed})
-ops = operands(*{shape}[:6], {p_mode!r}, {causal}, {shape}[6])
-grads, dumps = run(ops, {causal}, {p_mode!r}, device="cpu")
-check(ops, {causal}, {p_mode!r}, grads, dumps)
+extra = {extra!r}
+structure = {{k: extra[k] for k in ("diagonal", "window") if k in extra}}
+ops = operands(*{shape}[:6], {p_mode!r}, {causal}, {shape}[6], dv=extra.get("dv"), **structure)
+grads, dumps = run(ops, {causal}, {p_mode!r}, device="cpu", **structure)
+check(ops, {causal}, {p_mode!r}, grads, dumps, **structure)
 """
 
 
@@ -57,13 +65,58 @@ def _interpreted(code: str):
 
 
 def _case_id(case):
-    (b, h, hkv, nq, nk, d, bias), p_mode, causal = case
-    return f"b{b}h{h}kv{hkv}q{nq}k{nk}d{d}-{bias or 'nobias'}-{p_mode}-{'causal' if causal else 'full'}"
+    (b, h, hkv, nq, nk, d, bias), p_mode, causal, extra = case
+    more = "".join(f"-{k}{v}" for k, v in extra.items())
+    return f"b{b}h{h}kv{hkv}q{nq}k{nk}d{d}-{bias or 'nobias'}-{p_mode}-{'causal' if causal else 'full'}{more}"
 
 
-@pytest.mark.parametrize("shape,p_mode,causal", CASES, ids=[_case_id(c) for c in CASES])
-def test_triton_backward_matches_reference(shape, p_mode, causal, fresh_seed):
-    _interpreted(SCRIPT.format(seed=fresh_seed, shape=shape, p_mode=p_mode, causal=causal))
+@pytest.mark.parametrize("shape,p_mode,causal,extra", CASES, ids=[_case_id(c) for c in CASES])
+def test_triton_backward_matches_reference(shape, p_mode, causal, extra, fresh_seed):
+    _interpreted(SCRIPT.format(seed=fresh_seed, shape=shape, p_mode=p_mode, causal=causal, extra=extra))
+
+
+FORWARD_CASES = [
+    ((1, 2, 1, 130, 200, 64, None), "direct", True, {}),
+    ((2, 2, 2, 70, 300, 72, "keypad"), "direct", False, {}),
+    ((1, 2, 1, 300, 130, 32, None), "direct", True, {"diagonal": -170}),
+    ((1, 2, 1, 260, 400, 96, None), "direct", True, {"diagonal": 140, "window": 150}),
+    ((1, 2, 1, 100, 300, 160, "dense"), "exp", True, {"window": 37}),
+    ((1, 1, 1, 100, 300, 192, None), "fp4", False, {"dv": 128}),
+    ((1, 1, 1, 70, 140, 256, None), "direct", True, {}),
+]
+
+FORWARD_SCRIPT = """
+import torch
+from helpers import quantized_operands
+from fp4_inductor import reference as R
+from fp4_inductor.kernels.triton import attention_fwd
+from triton.runtime.interpreter import InterpretedFunction
+assert isinstance(attention_fwd._fwd_kernel, InterpretedFunction), "not interpreted"
+torch.manual_seed({seed})
+(b, h, hkv, nq, nk, d, bias_kind), p_mode, causal, extra = {case!r}
+structure = {{k: extra[k] for k in ("diagonal", "window") if k in extra}}
+ops, bias = quantized_operands(b, h, hkv, nq, nk, d, p_mode, bias_kind, dv=extra.get("dv"))
+dv = ops[2].shape[-2]
+# Allocated as the op does ([B, N, H, Dv] storage), poisoned.
+out = torch.full((b, nq, h, dv), float("nan")).transpose(1, 2)
+lse, row_ref = (torch.full((b, h, nq), float("nan")) for _ in range(2))
+attention_fwd.attention_forward(*ops, bias, causal, p_mode, out, lse, row_ref, **structure)
+ref_o, ref_l, ref_r = R.attention_forward(*ops, bias, causal, p_mode, torch.float32, **structure)
+assert not out.isnan().any() and not lse.isnan().any(), "unwritten or NaN output"
+assert torch.equal(row_ref, ref_r), "row reference differs"
+assert torch.equal(lse == float("-inf"), ref_l == float("-inf")), "empty rows differ"
+live = ref_l > float("-inf")
+assert (lse[live] - ref_l[live]).abs().max() <= 1e-5, "LSE off: a P code differs"
+assert (out.double() - ref_o.double()).norm() <= 1e-5 * ref_o.double().norm(), "output off"
+"""
+
+
+@pytest.mark.parametrize("case", FORWARD_CASES, ids=[_case_id(c) for c in FORWARD_CASES])
+def test_triton_forward_matches_reference(case, fresh_seed):
+    """The Triton forward kernel under the interpreter (its PTX-only steps emulated):
+    row references exact, the same empty rows, LSE and output as the reference's, for
+    padded head dims, D_qk != D_v, every P mode and the causal structures."""
+    _interpreted(FORWARD_SCRIPT.format(seed=fresh_seed, case=case))
 
 
 TRANSPOSE_SCRIPT = """

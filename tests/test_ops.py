@@ -158,7 +158,10 @@ def test_by_length_branches_on_the_call_s_key_length(nk, mask):
     attn_mask = {None: None, "bool": keep, "additive": torch.where(keep, 0.0, -1e4) + torch.randn(2, 1, 33, nk)}[mask]
     args = (q, k, v, attn_mask, 0.125, True, "fp8", "direct", 100)
     _opcheck(torch.ops.fp4attn.by_length.default, args)
-    got = torch.ops.fp4attn.by_length(*args)
+    got, empty = torch.ops.fp4attn.by_length(*args)
+    causal = torch.ones(33, nk, dtype=torch.bool).tril()
+    visible = causal if mask is None else causal & keep if mask == "bool" else causal & (attn_mask > -7.3e5)
+    assert torch.equal(empty, ~visible.expand(2, 4, 33, nk).any(-1))  # rows with no visible key, either branch
     if nk >= 100:
         want = ops.quantized_forward(q, k, v, mask_to_log2_bias(attn_mask), 0.125, True, "fp8", "direct")[0]
     else:
@@ -171,7 +174,8 @@ def test_by_length_branches_on_the_call_s_key_length(nk, mask):
 
 def test_lowp_attention_refuses_what_it_would_get_wrong():
     """Called directly (the compiler leaves these to SDPA): a mask or scale that requires
-    grad would lose its gradient, a value head dim unlike the query's is not computed."""
+    grad would lose its gradient, a key head dim unlike the query's is no attention.  A
+    value head dim of its own is computed."""
     from fp4_inductor.attention import lowp_attention
 
     q, k, v = (torch.randn(1, 2, 33, 64) for _ in range(3))
@@ -181,6 +185,7 @@ def test_lowp_attention_refuses_what_it_would_get_wrong():
     with pytest.raises(ValueError, match="requires grad"):
         lowp_attention(q, k, v, scale=torch.tensor(0.125, requires_grad=True))
     with pytest.raises(ValueError, match="head dims differ"):
-        lowp_attention(q, k, v[..., :32])
+        lowp_attention(q, k[..., :32], v)
+    assert lowp_attention(q, k, v[..., :40]).shape == (1, 2, 33, 40)
     with torch.no_grad():  # nothing to differentiate: the mask is only a value
         assert lowp_attention(q, k, v, attn_mask=bias).shape == q.shape

@@ -14,7 +14,7 @@ import warnings
 
 import torch
 
-from ..formats import P_MODES
+from ..formats import P_MODES, supported_head_dim
 
 
 @functools.cache
@@ -39,8 +39,15 @@ def _triton_launcher(module: str, name: str):
 
 def _applies(q: torch.Tensor) -> bool:
     """What every Triton kernel needs: an sm_90 device (``has_forward_kernel``, which
-    also honours ``FP4ATTN_KERNELS=0``) and D in {64, 128}."""
-    return has_forward_kernel(q.device) and q.shape[-1] in (64, 128)
+    also honours ``FP4ATTN_KERNELS=0``) and a supported head dim (``formats``)."""
+    return has_forward_kernel(q.device) and supported_head_dim(q.shape[-1])
+
+
+def _gluon_scope(q, v_t, causal, diagonal, window) -> bool:
+    """What the Gluon kernels cover besides their own ``supports``: D in {64, 128} for Q,
+    K and V alike, and no causal structure but SDPA's top-left one."""
+    d = q.shape[-1]
+    return d in (64, 128) and v_t.shape[-2] == d and not (causal and (diagonal or window))
 
 
 def has_forward_kernel(device: torch.device) -> bool:
@@ -51,7 +58,7 @@ def has_forward_kernel(device: torch.device) -> bool:
 
 
 def quantize_kernel(q: torch.Tensor, fmt: str):
-    """The Triton sm_90 launcher quantizing Q, K and V for fmt="fp8" (D in {64, 128}), else None.
+    """The Triton sm_90 launcher quantizing Q, K and V for fmt="fp8", else None.
     fp4's MXFP4 V is an accuracy mode and keeps the formats code."""
     if fmt != "fp8" or not _applies(q):
         return None
@@ -59,11 +66,12 @@ def quantize_kernel(q: torch.Tensor, fmt: str):
 
 
 def forward_kernel(q: torch.Tensor, p_mode: str):
-    """The sm_90 forward launcher for D in {64, 128}, else None: the warp-specialised Gluon
-    kernel for P mode direct where it covers the call (``kernels.gluon.attention_fwd.supports``)
-    and both the queries and the keys reach ``GLUON_MIN_KEYS``, the Triton kernel for the
-    rest (shorter rows, P modes exp and fp4, biases and masks, Nk not a multiple of 16);
-    the choice is made per call, in ``_forward``."""
+    """The sm_90 forward launcher for supported head dims, else None: the warp-specialised
+    Gluon kernel for P mode direct where it covers the call (``_gluon_scope`` and
+    ``kernels.gluon.attention_fwd.supports``) and both the queries and the keys reach
+    ``GLUON_MIN_KEYS``, the Triton kernel for the rest (shorter rows, P modes exp and fp4,
+    biases and masks, other head dims, causal offsets and windows, Nk not a multiple of
+    16); the choice is made per call, in ``_forward``."""
     if not _applies(q) or p_mode not in P_MODES:
         return None
     return _forward if _module("triton", "attention_fwd") is not None else None
@@ -96,13 +104,14 @@ def _run_gluon(module: str, what: str, launch: str, supports_args: tuple, args: 
         return False
 
 
-def _forward(q, k, v_t, q_scale, k_scale, v_scale, bias, causal, p_mode, out, lse, row_ref):
+def _forward(q, k, v_t, q_scale, k_scale, v_scale, bias, causal, p_mode, out, lse, row_ref, diagonal=0, window=0):
     args = (q, k, v_t, q_scale, k_scale, v_scale, bias, causal, p_mode, out, lse, row_ref)
     if p_mode == "direct" and min(q.shape[2], k.shape[2]) >= GLUON_MIN_KEYS[bool(causal)] \
+            and _gluon_scope(q, v_t, causal, diagonal, window) \
             and _run_gluon("attention_fwd", "forward", "attention_forward",
                            (q, k, v_t, q_scale, bias, p_mode, lse, row_ref), args):
         return
-    _module("triton", "attention_fwd").attention_forward(*args)
+    _module("triton", "attention_fwd").attention_forward(*args, diagonal=diagonal, window=window)
 
 
 def backward_kernel(q: torch.Tensor, p_mode: str):
@@ -132,8 +141,10 @@ def _gluon_dkdv(do, do_t, do_scale, delta, q, qe_t, qe_scale, k, v, q_scale, k_s
 
 
 def _backward(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale, qe, qe_scale, ke, ke_scale, bias, row_ref,
-              causal, p_mode, dq, dk, dv):
+              causal, p_mode, dq, dk, dv, diagonal=0, window=0):
+    gluon = _gluon_scope(q, v_t, causal, diagonal, window)
     _module("triton", "attention_bwd").attention_backward(
         do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale, qe, qe_scale, ke, ke_scale, bias, row_ref, causal,
-        p_mode, dq, dk, dv, dq_kernel=functools.partial(_gluon_dq, bias=bias, p_mode=p_mode),
-        dkdv_kernel=functools.partial(_gluon_dkdv, bias=bias, p_mode=p_mode))
+        p_mode, dq, dk, dv, diagonal=diagonal, window=window,
+        dq_kernel=functools.partial(_gluon_dq, bias=bias, p_mode=p_mode) if gluon else None,
+        dkdv_kernel=functools.partial(_gluon_dkdv, bias=bias, p_mode=p_mode) if gluon else None)

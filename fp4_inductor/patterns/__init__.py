@@ -15,11 +15,20 @@ import torch.fx as fx
 
 from ..attention import combine_masks, lowp_attention
 from .common import Site, kind, value
+from .masks import erase_dead, materialize
 from .mha import match_mha, replace_mha
 from .sdpa import match_sdpa
 from .softmax import match_softmax
 
 MATCHERS = (match_sdpa, match_softmax, match_mha)
+
+
+def graph_modules(gm: fx.GraphModule) -> list[fx.GraphModule]:
+    """``gm`` and the graphs of the higher-order ops it calls (activation checkpointing's
+    bodies, ``torch.cond`` branches, ...), which Dynamo keeps as submodules: attention
+    inside them is rewritten there, and recomputing a checkpointed body reruns the same
+    deterministic quantization."""
+    return [m for m in gm.modules() if isinstance(m, fx.GraphModule)]
 
 
 def find_sites(graph: fx.Graph) -> list[Site]:
@@ -53,33 +62,51 @@ def replace_site(graph: fx.Graph, site: Site, fmt: str, p_mode: str | None, targ
     if site.kind == "mha":
         return replace_mha(graph, site, fmt, p_mode, min_keys)
     anchor = site.anchor
+    keep_masks, drop_masks = tuple(m for m, _ in site.keep_masks), tuple(m for m, _ in site.drop_masks)
     with graph.inserting_before(anchor):
-        if (len(site.bias_terms) == 1 and not site.bias_terms[0][1] and not (site.keep_masks or site.drop_masks)
+        if (len(site.bias_terms) == 1 and not site.bias_terms[0][1] and not (keep_masks or drop_masks)
                 and value(site.bias_terms[0][0]).dtype != torch.bool):
             # One unscaled additive mask: pass it as SDPA would (a boolean one adds 1 where
             # True, which SDPA would read as "keep": it goes through combine_masks).
             mask = site.bias_terms[0][0]
-        elif site.bias_terms or site.keep_masks or site.drop_masks:
+        elif site.bias_terms or keep_masks or drop_masks:
             mask = graph.call_function(
                 combine_masks,
-                (site.attn_mask, tuple((m, _scale_arg(graph, f)) for m, f in site.bias_terms),
-                 tuple(site.keep_masks), tuple(site.drop_masks)),
+                (site.attn_mask, tuple((m, _scale_arg(graph, f)) for m, f in site.bias_terms), keep_masks,
+                 drop_masks),
             )
         else:
             mask = site.attn_mask
-        new = graph.call_function(
-            target,
-            (site.q, site.k, site.v),
-            {"attn_mask": mask, "scale": _scale_arg(graph, site.scale), "is_causal": site.causal,
-             "fmt": fmt, "p_mode": p_mode, **({"min_keys": min_keys} if min_keys is not None else {})},
-        )
+        kwargs = {"attn_mask": mask, "scale": _scale_arg(graph, site.scale), "is_causal": site.causal,
+                  "fmt": fmt, "p_mode": p_mode, **_structure_kwargs(graph, site)}
+        if min_keys is not None:
+            kwargs["min_keys"] = min_keys
+        new = graph.call_function(target, (site.q, site.k, site.v), kwargs)
         want = value(anchor).dtype
         if value(site.q).dtype != want:
             new = graph.call_method("to", (new, want))
     new.meta.update(anchor.meta)
     anchor.replace_all_uses_with(new)
     erase_replaced(anchor)
+    if site.structure is not None:
+        erase_dead(site.structure.nodes)  # the mask's producers: no N x N tensor is built
     return new
+
+
+def _structure_kwargs(graph: fx.Graph, site: Site) -> dict:
+    """The causal structure and key padding ``masks.structure_site`` read, as arguments."""
+    s = site.structure
+    if s is None:
+        return {"empty_rows": site.empty_rows} if site.empty_rows != "zero" else {}
+    kwargs = {"diagonal": materialize(graph, s.diagonal), "window": s.window, "empty_rows": site.empty_rows}
+    if s.key_padding is not None:
+        pad = s.key_padding
+        if s.pad_offset != (0, ()) or value(pad).shape[-1] != value(site.k).shape[-2]:
+            start = materialize(graph, s.pad_offset)
+            stop = graph.call_function(operator.add, (start, graph.call_method("size", (site.k, -2))))
+            pad = graph.call_function(operator.getitem, (pad, (slice(None), slice(start, stop))))
+        kwargs["key_padding"] = pad
+    return kwargs
 
 
 def erase_replaced(node: fx.Node) -> None:

@@ -169,13 +169,21 @@ def module_path(node: fx.Node) -> str:
     return path.replace("._modules.", ".").strip(".")
 
 
+# masked_fill / where fills at or below this are treated as "masked out".
+MASK_FILL_MAX = -1e4
+
+
 @dataclasses.dataclass
 class Site:
     """One attention found in a graph, and what to call in its place.
 
     ``q``/``k``/``v`` are ``[..., N, D]`` nodes (k not transposed); ``scale`` is a
     float, a node, or None for SDPA's default; ``bias_terms`` are ``(mask, factor)``
-    additive masks; ``keep_masks``/``drop_masks`` boolean masks (True keeps / drops).
+    additive masks; ``keep_masks``/``drop_masks`` ``(mask, fill)`` boolean masks (True
+    keeps / drops) and the value the site fills masked scores with.  ``structure``: the
+    causal structure and key padding read from masks (``masks.structure_site``; those
+    masks are no longer among the dense ones), ``causal`` whether there is one;
+    ``empty_rows`` what a query row with no visible key gets (``attention.EMPTY_ROWS``).
     ``unsupported`` says why the site must stay as written.
     """
 
@@ -195,6 +203,29 @@ class Site:
     # Set by matchers whose q/k/v are not [..., N, D] head tensors (nn.MultiheadAttention).
     dims: tuple | None = None
     weights: tuple = ()  # parameters the site multiplies by, for "does it train?"
+    structure: object = None  # masks.MaskStructure
+    empty_rows: str = "zero"
+    mask_note: str | None = None  # mask_kind() of a site whose masks are call arguments (MHA)
+
+    def mask_kind(self) -> str:
+        """What masks the site has, as ``explain`` shows them and the cost table keys them:
+        "none", "causal", "causal+offset", "window W", each "+padding" where a key-padding
+        vector joins, or "dense" where a mask tensor is read per score."""
+        if self.mask_note is not None:
+            return self.mask_note
+        s = self.structure
+        parts = []
+        if self.causal:
+            offset = s is not None and s.diagonal != (0, ())
+            parts.append(f"window {s.window}" if s is not None and s.window else
+                         "causal+offset" if offset else "causal")
+        if s is not None and s.key_padding is not None:
+            parts.append("padding")
+        dense = [m for m in (self.attn_mask, *(m for m, _ in self.keep_masks), *(m for m, _ in self.drop_masks),
+                             *(m for m, _ in self.bias_terms)) if m is not None]
+        if dense:
+            parts.append("padding" if all(_key_row(m, self) for m in dense) else "dense")
+        return "+".join(dict.fromkeys(parts)) or "none"
 
     def training(self) -> bool:
         """Whether the site's graph will be differentiated.  Dynamo hands a graph to the
@@ -233,3 +264,46 @@ def _hint(d) -> int:
     if isinstance(d, torch.SymInt):
         return d.node.hint if d.node.hint is not None else d.node.shape_env.size_hint(d.node.expr)
     return int(d)
+
+
+def _key_row(mask, site: Site) -> bool:
+    """Whether a dense mask is one row per sequence (``[B, 1, 1, Nk]``, as BERT's key
+    padding): the kernels read it as a bias row, not per score."""
+    m, q = value(mask), value(site.q)
+    if not isinstance(m, torch.Tensor) or not isinstance(q, torch.Tensor):
+        return False
+    return m.dim() < 2 or (m.shape[-2] == 1 and all(n == 1 for n in m.shape[-m.dim():-2][1:]))
+
+
+def strip_repeat_kv(site: Site) -> None:
+    """Use the un-repeated K/V when both come from the same ``repeat_kv`` expansion:
+    the op reads shared heads in place (GQA) instead of copies."""
+    k, k_rep = _unrepeat(site.k)
+    v, v_rep = _unrepeat(site.v)
+    if k_rep == v_rep > 1:
+        site.k, site.v = k, v
+
+
+def _unrepeat(node) -> tuple:
+    k = kind(node)
+    if k == "repeat_interleave":
+        reps, dim = arg(node, 1), arg(node, 2)
+        if isinstance(reps, int) and dim in (1, -3) and rank(node) == 4:
+            return node.args[0], reps
+    if k == "reshape":
+        expand = node.args[0]
+        if kind(expand) == "expand" and kind(expand.args[0]) == "getitem":
+            getitem = expand.args[0]
+            base, index = getitem.args
+            full = slice(None)
+            if (
+                rank(base) == 4
+                and isinstance(index, tuple)
+                and len(index) == 5
+                and index[2] is None
+                and all(i == full for j, i in enumerate(index) if j != 2)
+            ):
+                heads, out_heads = value(base).shape[1], value(node).shape[1]
+                if out_heads % heads == 0:
+                    return base, out_heads // heads
+    return node, 1

@@ -40,6 +40,11 @@ def match_mha(node: fx.Node) -> Site | None:
     heads = a["num_heads"]
     site.weights = tuple(a[n] for n in ("in_proj_weight", "q_proj_weight") if a[n] is not None)
     batch = query.shape[1] if query.dim() == 3 else 1  # [L, E]: one unbatched sequence
+    masks = [m for m in (a["attn_mask"], a["key_padding_mask"]) if m is not None]
+    site.mask_note = ("dense" if a["attn_mask"] is not None else "padding" if masks else
+                      "causal" if site.causal else "none")
+    if any(value(m).dtype != torch.bool for m in masks):
+        site.empty_rows = "sdpa"  # MHA runs SDPA: -inf rows give zeros, finite fills the mean of V
     site.dims = (batch, heads, heads, query.shape[0], key.shape[0], query.shape[-1] // heads)
     if a["need_weights"] is not False:
         site.unsupported = "attention weights are returned (need_weights=True)"
@@ -54,7 +59,7 @@ def match_mha(node: fx.Node) -> Site | None:
 
 def mha_lowp(query, key, value, num_heads, in_proj_weight, in_proj_bias, out_proj_weight, out_proj_bias,
              key_padding_mask, attn_mask, is_causal, q_proj_weight, k_proj_weight, v_proj_weight, *, fmt, p_mode,
-             min_keys=None):
+             min_keys=None, empty_rows="zero"):
     """``F.multi_head_attention_forward`` with ``need_weights=False`` on sequence-first
     ``[L, N, E]`` inputs, or one unbatched ``[L, E]`` sequence, attention in low precision."""
     unbatched = query.dim() == 2
@@ -77,7 +82,7 @@ def mha_lowp(query, key, value, num_heads, in_proj_weight, in_proj_bias, out_pro
     else:
         is_causal = False
     out = lowp_attention(q, k, v, attn_mask=_sdpa_mask(attn_mask, key_padding_mask, batch, num_heads),
-                         is_causal=is_causal, fmt=fmt, p_mode=p_mode, min_keys=min_keys)
+                         is_causal=is_causal, fmt=fmt, p_mode=p_mode, min_keys=min_keys, empty_rows=empty_rows)
     out = F.linear(out.permute(2, 0, 1, 3).reshape(length, batch, embed), out_proj_weight, out_proj_bias)
     return (out.squeeze(1) if unbatched else out), None
 
@@ -104,7 +109,10 @@ def replace_mha(graph: fx.Graph, site: Site, fmt: str, p_mode: str | None, min_k
             a["k_proj_weight"] if a["use_separate_proj_weight"] else None,
             a["v_proj_weight"] if a["use_separate_proj_weight"] else None)
     with graph.inserting_before(site.anchor):
-        new = graph.call_function(mha_lowp, args, {"fmt": fmt, "p_mode": p_mode, **({"min_keys": min_keys} if min_keys is not None else {})})
+        kwargs = {"fmt": fmt, "p_mode": p_mode, "empty_rows": site.empty_rows}
+        if min_keys is not None:
+            kwargs["min_keys"] = min_keys
+        new = graph.call_function(mha_lowp, args, kwargs)
     new.meta.update(site.anchor.meta)
     site.anchor.replace_all_uses_with(new)
     graph.erase_node(site.anchor)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from .common import Site, arg, kind, module_path, value
+from .common import Site, arg, kind, module_path, strip_repeat_kv, value
+from .masks import structure_site
 
 
 def match_sdpa(node: fx.Node) -> Site | None:
@@ -26,6 +27,9 @@ def match_sdpa(node: fx.Node) -> Site | None:
     elif not gqa and _heads(q) != _heads(k):
         site.unsupported = "query and key head counts differ without enable_gqa"
     site.causal = bool(causal) if isinstance(causal, bool) else False
+    if site.unsupported is None:
+        strip_repeat_kv(site)  # HF repeats K/V before SDPA when it passes a mask
+        structure_site(site)
     return site
 
 

@@ -16,10 +16,8 @@ import dataclasses
 import torch
 import torch.fx as fx
 
-from .common import Site, arg, constant_fill, kind, module_path, rank, swaps_last_two, value
-
-# masked_fill / where fills at or below this are treated as "masked out".
-_MASK_FILL_MAX = -1e4
+from .common import MASK_FILL_MAX, Site, arg, constant_fill, kind, module_path, rank, strip_repeat_kv, swaps_last_two, value
+from .masks import structure_site
 
 
 @dataclasses.dataclass
@@ -27,7 +25,7 @@ class _Scores:
     q: fx.Node
     k: fx.Node | None
     # From the QK product towards softmax: ("scale", factor, is_div) | ("add", mask)
-    # | ("keep", bool_mask) | ("drop", bool_mask)
+    # | ("keep", bool_mask, fill) | ("drop", bool_mask, fill)
     ops: list
     unsupported: str | None = None
 
@@ -63,7 +61,8 @@ def match_softmax(node: fx.Node) -> Site | None:
     )
     if site.unsupported is None:
         _fill_masks_and_scale(site, scores.ops)
-        _strip_repeat_kv(site)
+        strip_repeat_kv(site)
+        structure_site(site)
     return site
 
 
@@ -92,15 +91,15 @@ def _trace_scores(node) -> _Scores | None:
         elif k == "masked_fill":
             if not _is_mask_fill(arg(cur, 2)):
                 return None
-            ops.append(("drop", arg(cur, 1)))
+            ops.append(("drop", arg(cur, 1), constant_fill(arg(cur, 2))))
             cur = cur.args[0]
         elif k == "where":
             cond, a, b = (arg(cur, i) for i in range(3))
             if _is_mask_fill(b) and isinstance(a, fx.Node):
-                ops.append(("keep", cond))
+                ops.append(("keep", cond, constant_fill(b)))
                 cur = a
             elif _is_mask_fill(a) and isinstance(b, fx.Node):
-                ops.append(("drop", cond))
+                ops.append(("drop", cond, constant_fill(a)))
                 cur = b
             else:
                 return None
@@ -245,7 +244,7 @@ def _tensor_operands(node: fx.Node):
 
 def _is_mask_fill(x) -> bool:
     fill = constant_fill(x)
-    return fill is not None and fill <= _MASK_FILL_MAX
+    return fill is not None and fill <= MASK_FILL_MAX
 
 
 def _fill_masks_and_scale(site: Site, ops: list) -> None:
@@ -257,41 +256,7 @@ def _fill_masks_and_scale(site: Site, ops: list) -> None:
         elif op[0] == "add":
             site.bias_terms.append((op[1], tuple(factors)))
         elif op[0] == "keep":
-            site.keep_masks.append(op[1])
+            site.keep_masks.append(op[1:])
         else:
-            site.drop_masks.append(op[1])
+            site.drop_masks.append(op[1:])
     site.scale = tuple(factors)
-
-
-def _strip_repeat_kv(site: Site) -> None:
-    """Use the un-repeated K/V when both come from the same ``repeat_kv`` expansion:
-    the op reads shared heads in place (GQA) instead of copies."""
-    k, k_rep = _unrepeat(site.k)
-    v, v_rep = _unrepeat(site.v)
-    if k_rep == v_rep > 1:
-        site.k, site.v = k, v
-
-
-def _unrepeat(node) -> tuple:
-    k = kind(node)
-    if k == "repeat_interleave":
-        reps, dim = arg(node, 1), arg(node, 2)
-        if isinstance(reps, int) and dim in (1, -3) and rank(node) == 4:
-            return node.args[0], reps
-    if k == "reshape":
-        expand = node.args[0]
-        if kind(expand) == "expand" and kind(expand.args[0]) == "getitem":
-            getitem = expand.args[0]
-            base, index = getitem.args
-            full = slice(None)
-            if (
-                rank(base) == 4
-                and isinstance(index, tuple)
-                and len(index) == 5
-                and index[2] is None
-                and all(i == full for j, i in enumerate(index) if j != 2)
-            ):
-                heads, out_heads = value(base).shape[1], value(node).shape[1]
-                if out_heads % heads == 0:
-                    return base, out_heads // heads
-    return node, 1

@@ -56,7 +56,7 @@ import triton
 import triton.language as tl
 
 from ... import formats as F
-from .common import e2m1_round, max_propagate_nan
+from .common import e2m1_round, e4m3_code_value, e4m3_round, max_propagate_nan, mul_rn
 
 _P_MODE_ID = {"direct": 0, "exp": 1, "fp4": 2}
 # Key tile = K scale block = the keys of one dQ dS scale; the dK/dV kernel's query tile =
@@ -67,26 +67,15 @@ BLOCK_M_DQ = 64
 DS_SCALE_MIN = tl.constexpr(F.DS_SCALE_MIN)
 assert F.DS_BLOCK_DQ == (1, BLOCK_N)
 assert BLOCK_N == F.KEY_TILE == F.SCALE_BLOCK == 128
-assert all(F.SCALE_BLOCK % F.ds_block_dk(d)[0] == 0 and F.ds_block_dk(d)[1] == 1 for d in (64, 128))
-
-
-@triton.jit
-def _e4m3_round(y):
-    """float32 y with |y| <= 448 rounded to the nearest E4M3 value, ties to even, in
-    float32 arithmetic (the interpreter's float8 casts do not round like the GPU's)."""
-    a = tl.abs(y)
-    # The E4M3 quantum at a's binade is 2**(e - 3), e >= -6 (below: subnormals, 2**-9).
-    e = tl.maximum(((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)
-    ulp = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)
-    r = ((a / ulp + 8388608.0) - 8388608.0) * ulp  # a / ulp <= 16: the add rounds to an integer
-    return tl.where(y < 0, -r, r)
+assert all(F.SCALE_BLOCK % F.ds_block_dk(d)[0] == 0 and F.ds_block_dk(d)[1] == 1
+           for d in range(F.MIN_HEAD_DIM, F.MAX_HEAD_DIM + 1, F.HEAD_DIM_STEP))
 
 
 @triton.jit
 def _to_operand(y, EMULATE: tl.constexpr):
     """E4M3 operand from float32 values already inside [-448, 448]."""
     if EMULATE:
-        return _e4m3_round(y)
+        return e4m3_round(y)
     else:
         return y.to(tl.float8e4nv)
 
@@ -107,8 +96,7 @@ def _probability_t(x, x_scale, r, P_MODE: tl.constexpr, EMULATE: tl.constexpr,
         c = tl.minimum(tl.maximum(tl.fma(x, x_scale * 8.0, (120.0 - 8.0 * r)[None, :]), 0.0), 126.0)
         code = (c + 8388608.0).to(tl.int32, bitcast=True) & 0xFF
         if EMULATE:
-            # code << 20 is the float32 pattern of value(code) * 2**-120
-            p = (code << 20).to(tl.float32, bitcast=True) * 1.329227995784916e36
+            p = e4m3_code_value(code)
         else:
             p = code.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
     elif P_MODE == 1:
@@ -120,10 +108,7 @@ def _probability_t(x, x_scale, r, P_MODE: tl.constexpr, EMULATE: tl.constexpr,
         live = e > float("-inf")
         e = tl.where(live, e, 0.0)
         xc = rel - e[:, None, :] + 2.584962500721156  # log2(6)
-        if EMULATE:
-            ax = xc * 1.5
-        else:
-            ax = tl.extra.cuda.libdevice.mul_rn(xc, 1.5)  # the reference rounds a * xc before + b
+        ax = mul_rn(xc, 1.5, EMULATE)  # the reference rounds a * xc before + b
         q = e2m1_round(tl.maximum(ax + 1.2, 0.0))
         q = tl.where(live[:, None, :] & (rel > float("-inf")), q, 0.0)
         # 2**(e + 6) from its exponent bits (0 below 2**-126, where E4M3 rounds to 0 anyway)
@@ -133,8 +118,9 @@ def _probability_t(x, x_scale, r, P_MODE: tl.constexpr, EMULATE: tl.constexpr,
 
 
 @triton.jit
-def _tile(k, v, q, do, row_t, r, delta, k_scale, dov_scale, b_ptrs, offs_m, offs_n, NQ, NK,
-          P_MODE: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, EMULATE: tl.constexpr,
+def _tile(k, v, q, do, row_t, r, delta, k_scale, dov_scale, b_ptrs, offs_m, offs_n, NQ, NK, DIAGONAL, WINDOW,
+          P_MODE: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, HAS_BIAS: tl.constexpr,
+          EMULATE: tl.constexpr,
           MIXED_F16: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, PER_KEY: tl.constexpr):
     """One transposed tile: P^T and dS^T codes [keys, queries] and the dS scales, one per
     key ([keys], PER_KEY: the dK product's) or one per query ([queries]: the dQ product's).
@@ -154,8 +140,10 @@ def _tile(k, v, q, do, row_t, r, delta, k_scale, dov_scale, b_ptrs, offs_m, offs
     else:
         x = s * t[None, :]
         x_scale = 1.0
-    if CAUSAL:
-        ok = ok & (offs_n[:, None] <= offs_m[None, :])
+    if CAUSAL:  # formats.visible
+        ok = ok & (offs_n[:, None] <= offs_m[None, :] + DIAGONAL)
+        if WINDOWED:
+            ok = ok & (offs_n[:, None] > offs_m[None, :] + (DIAGONAL - WINDOW))
     x = tl.where(ok, x, float("-inf"))
     p = _probability_t(x, x_scale, r, P_MODE, EMULATE, BLOCK_N, BLOCK_M)
 
@@ -186,7 +174,45 @@ _NO_SPECIALIZE = ["stride_dsb", "stride_dsh", "stride_dlb", "stride_dlh", "strid
                   "stride_qsb", "stride_qsh", "stride_qsm", "stride_ksb", "stride_ksh", "stride_ksn",
                   "stride_vsb", "stride_vsh", "stride_qesb", "stride_qesh", "stride_qesm",
                   "stride_kesb", "stride_kesh", "stride_kesn", "stride_rb", "stride_rh", "stride_rm",
-                  "stride_bb", "stride_bh", "stride_bm", "stride_bn", "H", "HKV", "GROUP", "NQ", "NK"]
+                  "stride_bb", "stride_bh", "stride_bm", "stride_bn", "H", "HKV", "GROUP", "NQ", "NK",
+                  "DIAGONAL", "WINDOW"]
+
+
+@triton.jit
+def _rows(X, b, h, offs, n_ok, stride_b, stride_h, stride_n, stride_d, D: tl.constexpr, HEAD_DIM: tl.constexpr,
+          other):
+    """Rows ``offs`` [R] of head (b, h) of a [B, H, N, D] tensor as an [R, HEAD_DIM] tile,
+    ``other`` past N and in the padding channels past D."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    ok = n_ok[:, None]
+    if D < HEAD_DIM:
+        ok = ok & (offs_d < D)[None, :]
+    return tl.load(X + b * stride_b + h * stride_h + offs[:, None] * stride_n + offs_d[None, :] * stride_d,
+                   mask=ok, other=other)
+
+
+@triton.jit
+def _columns(X, b, h, offs, n_ok, stride_b, stride_h, stride_d, stride_n, D: tl.constexpr,
+             HEAD_DIM: tl.constexpr):
+    """Columns ``offs`` [C] of head (b, h) of a token-major [B, H, D, N] tensor as a
+    [HEAD_DIM, C] tile, zero past N and in the padding channels."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    ok = n_ok[None, :]
+    if D < HEAD_DIM:
+        ok = ok & (offs_d < D)[:, None]
+    return tl.load(X + b * stride_b + h * stride_h + offs_d[:, None] * stride_d + offs[None, :] * stride_n,
+                   mask=ok, other=0.0)
+
+
+@triton.jit
+def _store_rows(X, b, h, offs, n_ok, stride_b, stride_h, stride_n, stride_d, values, D: tl.constexpr,
+                HEAD_DIM: tl.constexpr):
+    offs_d = tl.arange(0, HEAD_DIM)
+    ok = n_ok[:, None]
+    if D < HEAD_DIM:
+        ok = ok & (offs_d < D)[None, :]
+    tl.store(X + b * stride_b + h * stride_h + offs[:, None] * stride_n + offs_d[None, :] * stride_d,
+             values.to(X.dtype.element_ty), mask=ok)
 
 
 @triton.jit(do_not_specialize=_NO_SPECIALIZE)
@@ -208,9 +234,10 @@ def _bwd_dkdv_kernel(
     stride_rb, stride_rh, stride_rm,
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
-    H, HKV, GROUP, NQ, NK,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    P_MODE: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
+    H, HKV, GROUP, NQ, NK, DIAGONAL, WINDOW,
+    D_QK: tl.constexpr, D_V: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    P_MODE: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, HAS_BIAS: tl.constexpr,
     EMULATE: tl.constexpr, DEBUG: tl.constexpr, MIXED_F16: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)  # causal: low key tiles see the most queries and go first
@@ -219,34 +246,36 @@ def _bwd_dkdv_kernel(
     hk = bhk % HKV
     start_n = pid_n * BLOCK_N
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
     offs_mb = tl.arange(0, BLOCK_M)
     n_ok = offs_n < NK
 
-    k = tl.load(K + b * stride_kb + hk * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
-                mask=n_ok[:, None], other=0)
-    v = tl.load(V + b * stride_vb + hk * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
-                mask=n_ok[:, None], other=0.0)
+    k = _rows(K, b, hk, offs_n, n_ok, stride_kb, stride_kh, stride_kn, stride_kd, D_QK, HEAD_DIM, 0)
+    v = _rows(V, b, hk, offs_n, n_ok, stride_vb, stride_vh, stride_vn, stride_vd, D_V, HEAD_DIM_V, 0.0)
     if EMULATE:
         v = v.to(tl.float32)
     k_scale = tl.load(KS + b * stride_ksb + hk * stride_ksh + pid_n * stride_ksn)
     v_scale = tl.load(VS + b * stride_vsb + hk * stride_vsh)
 
     dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
-    dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
-    # Causal (top-left): query tiles wholly above this key tile's diagonal hold only -inf.
-    lo = start_n if CAUSAL else 0
+    dv = tl.zeros([BLOCK_N, HEAD_DIM_V], tl.float32)
+    # Causal (formats.visible): query i sees key j iff i >= j - DIAGONAL (and, windowed,
+    # i < j - DIAGONAL + WINDOW); query tiles outside that range hold only -inf.  Tiles
+    # start at multiples of BLOCK_M, the dK dS scale blocks'.
+    lo = 0
+    hi = NQ
+    if CAUSAL:
+        lo = (tl.maximum(start_n - DIAGONAL, 0) // BLOCK_M) * BLOCK_M
+        if WINDOWED:
+            hi = tl.minimum(NQ, tl.maximum(start_n + BLOCK_N - 1 - DIAGONAL + WINDOW, 0))
     for g in range(0, GROUP):
         h = hk * GROUP + g
         do_scale = tl.load(DOS + b * stride_dsb + h * stride_dsh)
         dov_scale = do_scale * v_scale
-        for start_m in range(lo, NQ, BLOCK_M):
+        for start_m in range(lo, hi, BLOCK_M):
             offs_m = start_m + offs_mb
             m_ok = offs_m < NQ
-            q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
-                        mask=m_ok[:, None], other=0)
-            do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dom
-                         + offs_d[None, :] * stride_dod, mask=m_ok[:, None], other=0.0)
+            q = _rows(Q, b, h, offs_m, m_ok, stride_qb, stride_qh, stride_qm, stride_qd, D_QK, HEAD_DIM, 0)
+            do = _rows(DO, b, h, offs_m, m_ok, stride_dob, stride_doh, stride_dom, stride_dod, D_V, HEAD_DIM_V, 0.0)
             row_t = tl.load(QS + b * stride_qsb + h * stride_qsh + offs_m * stride_qsm, mask=m_ok,
                             other=0.0) * 1.4426950408889634
             r = tl.load(ROW_REF + b * stride_rb + h * stride_rh + offs_m * stride_rm, mask=m_ok, other=0.0)
@@ -255,13 +284,11 @@ def _bwd_dkdv_kernel(
             if EMULATE:
                 do = do.to(tl.float32)
             p, ds, ds_scale, dp = _tile(k, v, q, do, row_t, r, delta, k_scale, dov_scale, b_ptrs, offs_m, offs_n,
-                                        NQ, NK, P_MODE, CAUSAL, HAS_BIAS, EMULATE, MIXED_F16, BLOCK_N, BLOCK_M,
-                                        True)
+                                        NQ, NK, DIAGONAL, WINDOW, P_MODE, CAUSAL, WINDOWED, HAS_BIAS, EMULATE,
+                                        MIXED_F16, BLOCK_N, BLOCK_M, True)
 
-            do_t = tl.load(DOT + b * stride_dtb + h * stride_dth + offs_d[:, None] * stride_dtd
-                           + offs_m[None, :] * stride_dtm, mask=m_ok[None, :], other=0.0)
-            qe_t = tl.load(QET + b * stride_qtb + h * stride_qth + offs_d[:, None] * stride_qtd
-                           + offs_m[None, :] * stride_qtm, mask=m_ok[None, :], other=0.0)
+            do_t = _columns(DOT, b, h, offs_m, m_ok, stride_dtb, stride_dth, stride_dtd, stride_dtm, D_V, HEAD_DIM_V)
+            qe_t = _columns(QET, b, h, offs_m, m_ok, stride_qtb, stride_qth, stride_qtd, stride_qtm, D_QK, HEAD_DIM)
             if EMULATE:
                 do_t = do_t.to(tl.float32)
                 qe_t = qe_t.to(tl.float32)
@@ -277,10 +304,8 @@ def _bwd_dkdv_kernel(
                 tl.store(DBG_P + dbg, p.to(tl.float32), mask=dbg_ok)
                 tl.store(DBG_DP + dbg, dp, mask=dbg_ok)
 
-    tl.store(DK + b * stride_dkb + hk * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd,
-             dk.to(DK.dtype.element_ty), mask=n_ok[:, None])
-    tl.store(DV + b * stride_dvb + hk * stride_dvh + offs_n[:, None] * stride_dvn + offs_d[None, :] * stride_dvd,
-             dv.to(DV.dtype.element_ty), mask=n_ok[:, None])
+    _store_rows(DK, b, hk, offs_n, n_ok, stride_dkb, stride_dkh, stride_dkn, stride_dkd, dk, D_QK, HEAD_DIM)
+    _store_rows(DV, b, hk, offs_n, n_ok, stride_dvb, stride_dvh, stride_dvn, stride_dvd, dv, D_V, HEAD_DIM_V)
 
 
 @triton.jit(do_not_specialize=_NO_SPECIALIZE)
@@ -300,9 +325,10 @@ def _bwd_dq_kernel(
     stride_bb, stride_bh, stride_bm, stride_bn,
     stride_rb, stride_rh, stride_rm,
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
-    H, HKV, GROUP, NQ, NK,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    P_MODE: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
+    H, HKV, GROUP, NQ, NK, DIAGONAL, WINDOW,
+    D_QK: tl.constexpr, D_V: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    P_MODE: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, HAS_BIAS: tl.constexpr,
     EMULATE: tl.constexpr, DEBUG: tl.constexpr, MIXED_F16: tl.constexpr = False,
 ):
     # Causal: the last query tiles walk the most key tiles; launch them first.
@@ -314,13 +340,10 @@ def _bwd_dq_kernel(
     start_m = pid_m * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_nb = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
     m_ok = offs_m < NQ
 
-    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
-                mask=m_ok[:, None], other=0)
-    do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod,
-                 mask=m_ok[:, None], other=0.0)
+    q = _rows(Q, b, h, offs_m, m_ok, stride_qb, stride_qh, stride_qm, stride_qd, D_QK, HEAD_DIM, 0)
+    do = _rows(DO, b, h, offs_m, m_ok, stride_dob, stride_doh, stride_dom, stride_dod, D_V, HEAD_DIM_V, 0.0)
     if EMULATE:
         do = do.to(tl.float32)
     row_t = tl.load(QS + b * stride_qsb + h * stride_qsh + offs_m * stride_qsm, mask=m_ok, other=0.0) * 1.4426950408889634
@@ -331,22 +354,26 @@ def _bwd_dq_kernel(
     dov_scale = do_scale * v_scale
 
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    hi = tl.minimum(NK, start_m + BLOCK_M) if CAUSAL else NK
-    for start_n in range(0, hi, BLOCK_N):
+    # Key tiles holding a key visible to one of these queries (formats.visible).
+    lo = 0
+    hi = NK
+    if CAUSAL:
+        hi = tl.minimum(NK, tl.maximum(start_m + BLOCK_M + DIAGONAL, 0))
+        if WINDOWED:
+            lo = (tl.maximum(start_m + 1 + DIAGONAL - WINDOW, 0) // BLOCK_N) * BLOCK_N
+    for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_nb
         n_ok = offs_n < NK
-        k = tl.load(K + b * stride_kb + hk * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
-                    mask=n_ok[:, None], other=0)
-        v = tl.load(V + b * stride_vb + hk * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
-                    mask=n_ok[:, None], other=0.0)
+        k = _rows(K, b, hk, offs_n, n_ok, stride_kb, stride_kh, stride_kn, stride_kd, D_QK, HEAD_DIM, 0)
+        v = _rows(V, b, hk, offs_n, n_ok, stride_vb, stride_vh, stride_vn, stride_vd, D_V, HEAD_DIM_V, 0.0)
         if EMULATE:
             v = v.to(tl.float32)
         k_scale = tl.load(KS + b * stride_ksb + hk * stride_ksh + (start_n // BLOCK_N) * stride_ksn)
         b_ptrs = BIAS + b * stride_bb + h * stride_bh + offs_m[None, :] * stride_bm + offs_n[:, None] * stride_bn
         p, ds, ds_scale, dp = _tile(k, v, q, do, row_t, r, delta, k_scale, dov_scale, b_ptrs, offs_m, offs_n,
-                                    NQ, NK, P_MODE, CAUSAL, HAS_BIAS, EMULATE, MIXED_F16, BLOCK_N, BLOCK_M, False)
-        ke_t = tl.load(KET + b * stride_ktb + hk * stride_kth + offs_d[:, None] * stride_ktd
-                       + offs_n[None, :] * stride_ktn, mask=n_ok[None, :], other=0.0)
+                                    NQ, NK, DIAGONAL, WINDOW, P_MODE, CAUSAL, WINDOWED, HAS_BIAS, EMULATE,
+                                    MIXED_F16, BLOCK_N, BLOCK_M, False)
+        ke_t = _columns(KET, b, hk, offs_n, n_ok, stride_ktb, stride_kth, stride_ktd, stride_ktn, D_QK, HEAD_DIM)
         if EMULATE:
             ke_t = ke_t.to(tl.float32)
         ke_scale = tl.load(KES + b * stride_kesb + hk * stride_kesh + (start_n // BLOCK_N) * stride_kesn)
@@ -355,8 +382,7 @@ def _bwd_dq_kernel(
             dbg = b * H * NQ * NK + h * NQ * NK + offs_m[None, :] * NK + offs_n[:, None]
             tl.store(DBG_DS + dbg, ds.to(tl.float32) * ds_scale[None, :], mask=n_ok[:, None] & m_ok[None, :])
 
-    tl.store(DQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd,
-             dq.to(DQ.dtype.element_ty), mask=m_ok[:, None])
+    _store_rows(DQ, b, h, offs_m, m_ok, stride_dqb, stride_dqh, stride_dqm, stride_dqd, dq, D_QK, HEAD_DIM)
 
 
 # ------------------------------------------------------------------------ launch
@@ -444,10 +470,11 @@ def _token_major_empty(x: torch.Tensor) -> torch.Tensor:
 
 
 def attention_backward(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale, qe, qe_scale, ke, ke_scale,
-                       bias, row_ref, causal, p_mode, dq, dk, dv, config=None, debug=None, emulate=None,
-                       options=None, dq_kernel=None, dkdv_kernel=None):
-    """Launch both backward kernels into the preallocated ``dq`` [B, H, Nq, D] and ``dk``,
-    ``dv`` [B, Hkv, Nk, D] (any strides).  Arguments as ``reference.attention_backward``.
+                       bias, row_ref, causal, p_mode, dq, dk, dv, diagonal=0, window=0, config=None, debug=None,
+                       emulate=None, options=None, dq_kernel=None, dkdv_kernel=None):
+    """Launch both backward kernels into the preallocated ``dq`` [B, H, Nq, D], ``dk``
+    [B, Hkv, Nk, D] and ``dv`` [B, Hkv, Nk, Dv] (any strides).  Arguments as
+    ``reference.attention_backward``.
     ``dq_kernel(do, do_scale, delta, q, k, v, q_scale, k_scale, v_scale, ke_t, ke_scale,
     row_ref, causal, dq)`` (``v`` row-major, ``ke_t`` token-major) computes dQ in place of
     the Triton dQ kernel when it returns True (not asked with ``debug`` or ``emulate``);
@@ -459,9 +486,10 @@ def attention_backward(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale
     float32 emulation of the 8-bit products (as under the interpreter) to tell a
     lowering problem from a formula one."""
     b, h, nq, d = q.shape
-    hkv, nk = k.shape[1], k.shape[2]
-    if d not in (64, 128):
-        raise ValueError(f"head dim {d} not supported (64 or 128)")
+    hkv, nk, dv_dim = k.shape[1], k.shape[2], v_t.shape[-2]
+    if not (F.supported_head_dim(d) and F.supported_head_dim(dv_dim)):
+        raise ValueError(f"head dims {d}/{dv_dim} not supported (multiples of {F.HEAD_DIM_STEP} from "
+                         f"{F.MIN_HEAD_DIM} to {F.MAX_HEAD_DIM})")
     if h % hkv:
         raise ValueError(f"{h} query heads not a multiple of {hkv} kv heads")
     if q.dtype != torch.int8 or k.dtype != torch.int8 or v_t.dtype != F.E4M3 or do.dtype != F.E5M2 \
@@ -478,7 +506,7 @@ def attention_backward(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale
         t.float() for t in (do_scale, delta, q_scale, k_scale, v_scale, qe_scale, ke_scale, row_ref))
     # Token-contiguous operands for the products contracted over tokens (module docstring).
     do_t, qe_t, ke_t = (_token_major_empty(t) for t in (do, qe, ke))
-    v = v_t.new_empty(b, hkv, nk, d)
+    v = v_t.new_empty(b, hkv, nk, dv_dim)
     _transpose_all([(do, do_t), (qe, qe_t), (ke, ke_t), (v_t, v)])
 
     has_bias = bias is not None
@@ -491,9 +519,11 @@ def attention_backward(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale
         assert len(debug) == 3 and all(t.is_contiguous() and t.shape == (b, h, nq, nk) and t.dtype == torch.float32
                                        for t in debug)
     emulate = _emulate() if emulate is None else emulate
-    consts = dict(HEAD_DIM=d, BLOCK_N=BLOCK_N, P_MODE=_P_MODE_ID[p_mode], CAUSAL=bool(causal),
-                  HAS_BIAS=has_bias, EMULATE=emulate, DEBUG=debug is not None,
+    consts = dict(D_QK=d, D_V=dv_dim, HEAD_DIM=F.kernel_head_dim(d), HEAD_DIM_V=F.kernel_head_dim(dv_dim),
+                  BLOCK_N=BLOCK_N, P_MODE=_P_MODE_ID[p_mode], CAUSAL=bool(causal),
+                  WINDOWED=bool(causal and window), HAS_BIAS=has_bias, EMULATE=emulate, DEBUG=debug is not None,
                   **OPTIONS)
+    structure = (diagonal if causal else 0, window if causal else 0)
     consts.update(options or {})
     cfg = dict(CONFIG, **(config or {}))
     common_tail = (*bias_strides, *row_ref.stride())
@@ -509,7 +539,7 @@ def attention_backward(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale
             *do.stride(), *do_t.stride(), *do_scale.stride(), *delta.stride(), *q.stride(), *k.stride(), *v.stride(),
             *q_scale.stride(), *k_scale.stride(), *v_scale.stride(), *qe_t.stride(), *qe_scale.stride(),
             *common_tail, *dk.stride(), *dv.stride(),
-            h, hkv, h // hkv, nq, nk, BLOCK_M=F.ds_block_dk(d)[0], **consts,
+            h, hkv, h // hkv, nq, nk, *structure, BLOCK_M=F.ds_block_dk(d)[0], **consts,
             num_warps=warps, num_stages=stages,
         )
 
@@ -522,5 +552,5 @@ def attention_backward(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale
         *do.stride(), *do_scale.stride(), *delta.stride(), *q.stride(), *k.stride(), *v.stride(),
         *q_scale.stride(), *k_scale.stride(), *v_scale.stride(), *ke_t.stride(), *ke_scale.stride(),
         *common_tail, *dq.stride(),
-        h, hkv, h // hkv, nq, nk, BLOCK_M=BLOCK_M_DQ, **consts, num_warps=warps, num_stages=stages,
+        h, hkv, h // hkv, nq, nk, *structure, BLOCK_M=BLOCK_M_DQ, **consts, num_warps=warps, num_stages=stages,
     )

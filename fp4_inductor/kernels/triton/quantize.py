@@ -18,13 +18,15 @@ rounding of a half-integer.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
 from ... import formats as F
-from .common import max_propagate_nan
+from .common import e4m3_round, max_propagate_nan
 
 # Tile rows per program: 80 registers a thread at 8 warps (ptxas, D=128), three programs per SM.
 _Q_ROWS, _K_TILE, _V_ROWS = 16, 16, 32
@@ -41,35 +43,48 @@ def _tile_of(pid, N, HEADS, ROWS: tl.constexpr):
 
 
 @triton.jit
-def _load_rows(X, b, h, rows, N, stride_b, stride_h, stride_n, stride_d, HEAD_DIM: tl.constexpr):
-    """Rows ``rows`` of head (b, h) of a ``[B, H, N, D]`` view as float32, zero past N."""
-    offs_d = tl.arange(0, HEAD_DIM)
-    ptrs = X + b * stride_b + h * stride_h + rows[:, None].to(tl.int64) * stride_n + offs_d[None, :] * stride_d
-    return tl.load(ptrs, mask=rows[:, None] < N, other=0.0).to(tl.float32)
+def _in_bounds(rows, N, D: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Rows below N, channels below D, of a [rows, HEAD_DIM] tile (HEAD_DIM: D's power of two)."""
+    ok = rows[:, None] < N
+    if D < HEAD_DIM:
+        ok = ok & (tl.arange(0, HEAD_DIM) < D)[None, :]
+    return ok
 
 
 @triton.jit
-def _store_rows(OUT, bh, rows, N, values, HEAD_DIM: tl.constexpr):
+def _load_rows(X, b, h, rows, N, stride_b, stride_h, stride_n, stride_d, D: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Rows ``rows`` of head (b, h) of a ``[B, H, N, D]`` view as float32, zero past N and
+    in the padding channels."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    ptrs = X + b * stride_b + h * stride_h + rows[:, None].to(tl.int64) * stride_n + offs_d[None, :] * stride_d
+    return tl.load(ptrs, mask=_in_bounds(rows, N, D, HEAD_DIM), other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _store_rows(OUT, bh, rows, N, values, D: tl.constexpr, HEAD_DIM: tl.constexpr):
     """Rows ``rows`` of head ``bh`` of a contiguous ``[B * H, N, D]`` output."""
     offs_d = tl.arange(0, HEAD_DIM)
-    tl.store(OUT + (bh.to(tl.int64) * N + rows[:, None]) * HEAD_DIM + offs_d[None, :], values, mask=rows[:, None] < N)
+    tl.store(OUT + (bh.to(tl.int64) * N + rows[:, None]) * D + offs_d[None, :], values,
+             mask=_in_bounds(rows, N, D, HEAD_DIM))
 
 
 @triton.jit
 def _kv_stats(K, V, KSUM, VMAX, HKV, N, CHUNK,
               stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd,
-              HEAD_DIM: tl.constexpr, TILE: tl.constexpr):
+              D_QK: tl.constexpr, D_V: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+              TILE: tl.constexpr):
     bh = tl.program_id(0)
     chunk = tl.program_id(1)
     b = (bh // HKV).to(tl.int64)
     h = (bh % HKV).to(tl.int64)
     k_sum = tl.zeros([HEAD_DIM], tl.float32)
-    v_max = tl.zeros([TILE, HEAD_DIM], tl.float32)
+    v_max = tl.zeros([TILE, HEAD_DIM_V], tl.float32)
     start = chunk * CHUNK
     for n0 in range(start, tl.minimum(start + CHUNK, N), TILE):
         rows = n0 + tl.arange(0, TILE)
-        k_sum += tl.sum(_load_rows(K, b, h, rows, N, stride_kb, stride_kh, stride_kn, stride_kd, HEAD_DIM), axis=0)
-        v = _load_rows(V, b, h, rows, N, stride_vb, stride_vh, stride_vn, stride_vd, HEAD_DIM)
+        k_sum += tl.sum(_load_rows(K, b, h, rows, N, stride_kb, stride_kh, stride_kn, stride_kd, D_QK, HEAD_DIM),
+                        axis=0)
+        v = _load_rows(V, b, h, rows, N, stride_vb, stride_vh, stride_vn, stride_vd, D_V, HEAD_DIM_V)
         v_max = tl.maximum(v_max, tl.abs(v), propagate_nan=tl.PropagateNan.ALL)
     partial = bh * tl.num_programs(1) + chunk
     tl.store(KSUM + partial * HEAD_DIM + tl.arange(0, HEAD_DIM), k_sum)
@@ -89,24 +104,29 @@ def _per_scale(x, scale):
 
 
 @triton.jit
-def _round_int8(x):
-    return tl.clamp(libdevice.rint(x), -127.0, 127.0).to(tl.int8)
+def _round_int8(x, EMULATE: tl.constexpr):
+    if EMULATE:  # the interpreter has no libdevice: the magic-number add rounds to nearest even
+        r = tl.where(tl.abs(x) < 4194304.0, (x + 12582912.0) - 12582912.0, x)
+    else:
+        r = libdevice.rint(x)
+    return tl.clamp(r, -127.0, 127.0).to(tl.int8)
 
 
 @triton.jit
 def _q_rows(pid, Q, Q8, QS, sm_scale, H, NQ, stride_qb, stride_qh, stride_qn, stride_qd,
-            HEAD_DIM: tl.constexpr, ROWS: tl.constexpr):
+            D: tl.constexpr, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, EMULATE: tl.constexpr):
     bh, tile, b, h = _tile_of(pid, NQ, H, ROWS)
     rows = tile * ROWS + tl.arange(0, ROWS)
-    x = _load_rows(Q, b, h, rows, NQ, stride_qb, stride_qh, stride_qn, stride_qd, HEAD_DIM) * sm_scale
+    x = _load_rows(Q, b, h, rows, NQ, stride_qb, stride_qh, stride_qn, stride_qd, D, HEAD_DIM) * sm_scale
     scale = _amax_scale(tl.reduce(tl.abs(x), 1, max_propagate_nan), 127.0)
-    _store_rows(Q8, bh, rows, NQ, _round_int8(_per_scale(x, scale[:, None])), HEAD_DIM)
+    _store_rows(Q8, bh, rows, NQ, _round_int8(_per_scale(x, scale[:, None]), EMULATE), D, HEAD_DIM)
     tl.store(QS + bh.to(tl.int64) * NQ + rows, scale, mask=rows < NQ)
 
 
 @triton.jit
 def _k_block(pid, K, K8, KS, KSUM, inv_nk, HKV, NK, N_CHUNKS, stride_kb, stride_kh, stride_kn, stride_kd,
-             HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, TILE: tl.constexpr):
+             D: tl.constexpr, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, TILE: tl.constexpr,
+             EMULATE: tl.constexpr):
     # The block is read twice in TILE-row pieces (the second time from cache): its scale
     # needs the whole block, which in registers would take all 255 a thread has.
     offs_d = tl.arange(0, HEAD_DIM)
@@ -120,20 +140,20 @@ def _k_block(pid, K, K8, KS, KSUM, inv_nk, HKV, NK, N_CHUNKS, stride_kb, stride_
     amax = tl.zeros([TILE, HEAD_DIM], tl.float32)
     for r in range(0, ROWS, TILE):
         rows = block * ROWS + r + tl.arange(0, TILE)
-        k = _load_rows(K, b, h, rows, NK, stride_kb, stride_kh, stride_kn, stride_kd, HEAD_DIM)
+        k = _load_rows(K, b, h, rows, NK, stride_kb, stride_kh, stride_kn, stride_kd, D, HEAD_DIM)
         k = tl.where(rows[:, None] < NK, k - mean[None, :], 0.0)  # zero padded after smoothing
         amax = tl.maximum(amax, tl.abs(k), propagate_nan=tl.PropagateNan.ALL)
     scale = _amax_scale(tl.reduce(amax, None, max_propagate_nan), 127.0)
     for r in range(0, ROWS, TILE):
         rows = block * ROWS + r + tl.arange(0, TILE)
-        k = _load_rows(K, b, h, rows, NK, stride_kb, stride_kh, stride_kn, stride_kd, HEAD_DIM) - mean[None, :]
-        _store_rows(K8, bh, rows, NK, _round_int8(_per_scale(k, scale)), HEAD_DIM)
+        k = _load_rows(K, b, h, rows, NK, stride_kb, stride_kh, stride_kn, stride_kd, D, HEAD_DIM) - mean[None, :]
+        _store_rows(K8, bh, rows, NK, _round_int8(_per_scale(k, scale), EMULATE), D, HEAD_DIM)
     tl.store(KS + bh * tl.cdiv(NK, ROWS) + block, scale)
 
 
 @triton.jit
 def _v_rows(pid, V, VT, VS, VMAX, HKV, NK, N_CHUNKS, stride_vb, stride_vh, stride_vn, stride_vd,
-            HEAD_DIM: tl.constexpr, ROWS: tl.constexpr):
+            D: tl.constexpr, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, EMULATE: tl.constexpr):
     bh, tile, b, h = _tile_of(pid, NK, HKV, ROWS)
     rows = tile * ROWS + tl.arange(0, ROWS)
     amax = tl.zeros([1], tl.float32)
@@ -141,12 +161,14 @@ def _v_rows(pid, V, VT, VS, VMAX, HKV, NK, N_CHUNKS, stride_vb, stride_vh, strid
         amax = tl.maximum(amax, tl.load(VMAX + bh * N_CHUNKS + c + tl.zeros([1], tl.int32)),
                           propagate_nan=tl.PropagateNan.ALL)
     scale = _amax_scale(amax, 448.0)
-    v = _load_rows(V, b, h, rows, NK, stride_vb, stride_vh, stride_vn, stride_vd, HEAD_DIM)
+    v = _load_rows(V, b, h, rows, NK, stride_vb, stride_vh, stride_vn, stride_vd, D, HEAD_DIM)
     v8 = tl.clamp(_per_scale(v, scale[:, None]), -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
     # K-major store: the tile goes out transposed, tokens contiguous.
-    v_index = bh.to(tl.int64) * HEAD_DIM * NK + tl.arange(0, HEAD_DIM)[None, :].to(tl.int64) * NK + rows[:, None]
-    tl.store(VT + v_index, v8.to(tl.float8e4nv), mask=rows[:, None] < NK)
-    tl.store(VS + bh + tl.zeros([1], tl.int32), scale, mask=tile == 0)
+    v_index = bh.to(tl.int64) * D * NK + tl.arange(0, HEAD_DIM)[None, :].to(tl.int64) * NK + rows[:, None]
+    if EMULATE:
+        v8 = e4m3_round(v8)  # the interpreter's float8 casts do not round to nearest even
+    tl.store(VT + v_index, v8.to(tl.float8e4nv), mask=_in_bounds(rows, NK, D, HEAD_DIM))
+    tl.store(VS + bh + tl.zeros([1], tl.int32), scale, mask=(tl.zeros([1], tl.int32) + tile) == 0)
 
 
 @triton.jit
@@ -155,50 +177,54 @@ def _quantize(Q, K, V, Q8, QS, K8, KS, VT, VS, KSUM, VMAX,
               stride_qb, stride_qh, stride_qn, stride_qd,
               stride_kb, stride_kh, stride_kn, stride_kd,
               stride_vb, stride_vh, stride_vn, stride_vd,
-              HEAD_DIM: tl.constexpr, Q_ROWS: tl.constexpr, K_BLOCK: tl.constexpr, K_TILE: tl.constexpr,
-              V_ROWS: tl.constexpr):
+              D_QK: tl.constexpr, D_V: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+              Q_ROWS: tl.constexpr, K_BLOCK: tl.constexpr, K_TILE: tl.constexpr, V_ROWS: tl.constexpr,
+              EMULATE: tl.constexpr):
     # Three kinds of programs, each on one small tile (few registers, many programs in flight).
     pid = tl.program_id(0)
     if pid < N_Q_PROGRAMS:
-        _q_rows(pid, Q, Q8, QS, sm_scale, H, NQ, stride_qb, stride_qh, stride_qn, stride_qd, HEAD_DIM, Q_ROWS)
+        _q_rows(pid, Q, Q8, QS, sm_scale, H, NQ, stride_qb, stride_qh, stride_qn, stride_qd, D_QK, HEAD_DIM, Q_ROWS,
+                EMULATE)
     elif pid < N_Q_PROGRAMS + N_K_PROGRAMS:
         _k_block(pid - N_Q_PROGRAMS, K, K8, KS, KSUM, inv_nk, HKV, NK, N_CHUNKS,
-                 stride_kb, stride_kh, stride_kn, stride_kd, HEAD_DIM, K_BLOCK, K_TILE)
+                 stride_kb, stride_kh, stride_kn, stride_kd, D_QK, HEAD_DIM, K_BLOCK, K_TILE, EMULATE)
     else:
         _v_rows(pid - N_Q_PROGRAMS - N_K_PROGRAMS, V, VT, VS, VMAX, HKV, NK, N_CHUNKS,
-                stride_vb, stride_vh, stride_vn, stride_vd, HEAD_DIM, V_ROWS)
+                stride_vb, stride_vh, stride_vn, stride_vd, D_V, HEAD_DIM_V, V_ROWS, EMULATE)
 
 
 def quantize_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float):
     """``formats.quantize_inputs(q, k, v, sm_scale, "fp8")``: ``(q8, k8, v_t, q_scale,
     k_scale, v_scale)`` from ``[B, H, N, D]`` views with any strides; outputs are contiguous."""
     b, h, nq, d = q.shape
-    hkv, nk = k.shape[1], k.shape[2]
+    hkv, nk, dv = k.shape[1], k.shape[2], v.shape[-1]
     dev = q.device
     q8 = torch.empty(b, h, nq, d, dtype=torch.int8, device=dev)
     q_scale = torch.empty(b, h, nq, dtype=torch.float32, device=dev)
     k8 = torch.empty(b, hkv, nk, d, dtype=torch.int8, device=dev)
     k_scale = torch.empty(b, hkv, triton.cdiv(nk, F.SCALE_BLOCK), dtype=torch.float32, device=dev)
-    v_t = torch.empty(b, hkv, d, nk, dtype=F.E4M3, device=dev)
+    v_t = torch.empty(b, hkv, dv, nk, dtype=F.E4M3, device=dev)
     v_scale = torch.empty(b, hkv, dtype=torch.float32, device=dev)
     if q8.numel() == 0 or k8.numel() == 0:
         return q8, k8, v_t, q_scale, k_scale, v_scale
 
     # Enough stats programs to fill the GPU a few times over; chunks a multiple of the tile.
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
     tiles = triton.cdiv(nk, _STATS_TILE)
     chunks = max(1, min(tiles, triton.cdiv(4 * sms, b * hkv)))
     chunk = triton.cdiv(tiles, chunks) * _STATS_TILE
     chunks = triton.cdiv(nk, chunk)
-    k_sum = torch.empty(b * hkv, chunks, d, dtype=torch.float32, device=dev)
+    dims = dict(D_QK=d, D_V=dv, HEAD_DIM=F.kernel_head_dim(d), HEAD_DIM_V=F.kernel_head_dim(dv))
+    k_sum = torch.empty(b * hkv, chunks, dims["HEAD_DIM"], dtype=torch.float32, device=dev)
     v_max = torch.empty(b * hkv, chunks, dtype=torch.float32, device=dev)
     _kv_stats[(b * hkv, chunks)](k, v, k_sum, v_max, hkv, nk, chunk, *k.stride(), *v.stride(),
-                                 HEAD_DIM=d, TILE=_STATS_TILE, num_warps=4, num_stages=1)
+                                 **dims, TILE=_STATS_TILE, num_warps=4, num_stages=1)
     q_programs = b * h * triton.cdiv(nq, _Q_ROWS)
     k_programs = b * hkv * triton.cdiv(nk, F.SCALE_BLOCK)
     grid = (q_programs + k_programs + b * hkv * triton.cdiv(nk, _V_ROWS),)
     _quantize[grid](q, k, v, q8, q_scale, k8, k_scale, v_t, v_scale, k_sum, v_max,
                     float(sm_scale), 1.0 / nk, h, hkv, nq, nk, q_programs, k_programs, chunks,
                     *q.stride(), *k.stride(), *v.stride(),
-                    HEAD_DIM=d, Q_ROWS=_Q_ROWS, K_BLOCK=F.SCALE_BLOCK, K_TILE=_K_TILE, V_ROWS=_V_ROWS, num_warps=8, num_stages=1)
+                    **dims, Q_ROWS=_Q_ROWS, K_BLOCK=F.SCALE_BLOCK, K_TILE=_K_TILE, V_ROWS=_V_ROWS,
+                    EMULATE=os.environ.get("TRITON_INTERPRET", "0") == "1", num_warps=8, num_stages=1)
     return q8, k8, v_t, q_scale, k_scale, v_scale

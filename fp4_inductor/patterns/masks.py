@@ -1,0 +1,407 @@
+"""The structure of attention masks, read from the graph that builds them.
+
+Models rarely call SDPA with ``is_causal``: HF transformers builds a boolean
+``[B, 1, Nq, Nk]`` mask from index arithmetic (``masking_utils``: ``kv_idx <= q_idx``,
+``kv_idx > q_idx - window``, ``attention_mask[batch_idx, kv_idx]``), hand-written attention
+fills ``torch.tril`` masks.  ``mask_structure`` evaluates such a graph symbolically: index
+tensors are affine in the query (row) or key (column) index, comparisons of the two are
+bounds on ``col - row``, a gather of a ``[B, Nk]`` tensor by (batch, column) is key padding,
+and ``&`` collects them.  What it recognises becomes the op's causal structure
+(``formats.visible``) and a ``[B, Nk]`` key-padding vector, so no ``Nq x Nk`` tensor is
+built and the kernels skip hidden tiles; anything else stays a dense mask.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+
+import torch
+import torch.fx as fx
+
+from .common import MASK_FILL_MAX, Site, arg, constant_fill, kind, rank, value
+
+# Offsets are affine in graph values: (constant, ((node, coefficient), ...)), so that a
+# cache offset held in a SymInt node (dynamic shapes) cancels where it should.
+_ZERO = (0, ())
+
+
+def _affine(x) -> tuple | None:
+    if isinstance(x, bool):
+        return None
+    if isinstance(x, int):
+        return (x, ())
+    if isinstance(x, fx.Node) and isinstance(value(x), torch.SymInt):
+        return (0, ((x, 1),))
+    return None
+
+
+def _add(a, b, sign=1):
+    terms = dict(a[1])
+    for node, c in b[1]:
+        terms[node] = terms.get(node, 0) + sign * c
+    return (a[0] + sign * b[0], tuple((n, c) for n, c in terms.items() if c))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Index:
+    """An integer tensor equal to its row (dim -2) or column (dim -1) index plus ``offset``,
+    or to its batch index (dim -4)."""
+
+    dim: int
+    offset: tuple = _ZERO
+
+
+@dataclasses.dataclass(frozen=True)
+class _Arange:
+    """A 1-D ``arange(n) + offset`` not yet placed on a dimension."""
+
+    offset: tuple = _ZERO
+
+
+@dataclasses.dataclass(frozen=True)
+class _Const:
+    value: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class _Structure:
+    """A conjunction: ``col - row <= upper`` and ``col - row > lower`` (either may be None)
+    and keys kept by ``keep[b, col + pad_offset]`` for each ``(keep, pad_offset)`` in
+    ``pads``."""
+
+    upper: tuple | None = None
+    lower: tuple | None = None
+    pads: tuple = ()
+
+    def __and__(self, other: "_Structure") -> "_Structure | None":
+        upper = _tighter(self.upper, other.upper, min)
+        lower = _tighter(self.lower, other.lower, max)
+        if upper is False or lower is False:
+            return None
+        return _Structure(upper, lower, self.pads + other.pads)
+
+
+def _tighter(a, b, pick):
+    if a is None or b is None:
+        return a if b is None else b
+    if a == b:
+        return a
+    if a[1] == b[1]:  # same symbolic part: compare the constants
+        return (pick(a[0], b[0]), a[1])
+    return False  # bounds that cannot be compared at compile time
+
+
+@dataclasses.dataclass
+class MaskStructure:
+    """What ``mask_structure`` found: the causal structure as the op takes it (``diagonal``
+    and ``window`` as ints or graph nodes, ``formats.visible``) and a key-padding vector
+    (a ``[B, Nk']`` boolean node, sliced by ``pad_offset`` at replacement time), and the
+    nodes the mask was built from (dead once the site is rewritten)."""
+
+    causal: bool = False
+    diagonal: tuple = _ZERO
+    window: int = 0
+    key_padding: fx.Node | None = None
+    pad_offset: tuple = _ZERO
+    nodes: tuple = ()
+
+
+class _Evaluator:
+    def __init__(self):
+        self.seen: list[fx.Node] = []
+
+    def __call__(self, node):
+        if not isinstance(node, fx.Node):
+            return _Const(bool(node)) if isinstance(node, bool) else None
+        result = self._eval(node)
+        if result is not None:
+            self.seen.append(node)
+        return result
+
+    def _eval(self, node: fx.Node):
+        target, k = node.target, kind(node)
+        if node.op == "call_function" and target is torch.arange:
+            args = [a for a in node.args]
+            if len(args) == 1 or (len(args) == 2 and _affine(args[0]) == _ZERO):
+                return _Arange()
+            return None
+        if k in ("cast", "contiguous") or (node.op == "call_method" and target in ("bool", "expand", "clone")):
+            # casts and device moves of index or boolean tensors (never a float cast of an index)
+            inner = self(node.args[0])
+            if isinstance(inner, (_Index, _Arange)) and node.op == "call_method" and target in ("float", "half", "bfloat16"):
+                return None
+            return inner
+        if k == "add" or (node.op == "call_function" and target in (operator.sub, torch.sub)) or \
+                (node.op == "call_method" and target == "sub"):
+            a, b = node.args[:2]
+            sign = 1 if k == "add" else -1
+            base, off = self(a), _affine(b)
+            if off is None and k == "add":
+                base, off = self(b), _affine(a)
+            if isinstance(base, (_Index, _Arange)) and off is not None:
+                return dataclasses.replace(base, offset=_add(base.offset, off, sign))
+            return None
+        if k == "getitem":
+            return self._getitem(node)
+        if node.op == "call_method" and target == "unsqueeze" and isinstance(self(node.args[0]), _Arange):
+            dim = node.args[1]  # [N, 1] is the row index, [1, N] the column index
+            return _Index(-2 if dim in (1, -1) else -1, self(node.args[0]).offset) if dim in (0, 1, -1, -2) else None
+        if node.op == "call_method" and target == "new_ones" and arg_dtype(node) is torch.bool:
+            return _Const(True)
+        if node.op == "call_function" and target in (operator.and_, torch.logical_and, torch.bitwise_and) or \
+                (node.op == "call_method" and target in ("logical_and", "__and__")):
+            return _conjoin(self(node.args[0]), self(node.args[1]))
+        if node.op == "call_function" and target in (operator.le, operator.lt, operator.ge, operator.gt,
+                                                      torch.le, torch.lt, torch.ge, torch.gt):
+            return _compare(target, self(node.args[0]), self(node.args[1]))
+        if node.op == "call_function" and target in (torch.tril, torch.triu) or \
+                (node.op == "call_method" and target in ("tril", "triu")):
+            return self._triangle(node)
+        return None
+
+    def _getitem(self, node: fx.Node):
+        base, index = node.args
+        inner = self(base)
+        if isinstance(inner, _Arange) and isinstance(index, tuple):
+            # arange placed on one axis of a broadcast: [None, None, :, None] is the row index
+            full = [i for i, x in enumerate(index) if x == slice(None)]
+            if len(full) == 1 and all(x is None for i, x in enumerate(index) if i != full[0]):
+                pos = full[0] - len(index)
+                return _Index(pos, inner.offset) if pos in (-1, -2, -4) else None
+            return None
+        if isinstance(inner, (_Structure, _Const)) and isinstance(index, tuple):
+            # slicing a mask to its keys (HF eager: mask[:, :, :, :Nk]) keeps it, if from 0
+            if all(isinstance(x, slice) and x.start in (None, 0) and x.step in (None, 1) or x is Ellipsis
+                   for x in index):
+                return inner
+            return None
+        if isinstance(index, tuple) and len(index) == 2 and rank(base) == 2 and value(base).dtype == torch.bool:
+            b, col = (self(i) for i in index)  # keep[batch_idx, kv_idx]: key padding
+            if isinstance(b, _Index) and b.dim == -4 and b.offset == _ZERO and isinstance(col, _Index) \
+                    and col.dim == -1:
+                return _Structure(pads=((base, col.offset),))
+        return None
+
+    def _triangle(self, node: fx.Node):
+        """``tril``/``triu`` of an all-ones ``[Nq, Nk]`` (or broadcast) tensor."""
+        src = node.args[0]
+        diag = arg(node, 1, "diagonal", 0) if len(node.args) > 1 or "diagonal" in node.kwargs else 0
+        if not (isinstance(src, fx.Node) and src.op == "call_function" and src.target is torch.ones
+                and isinstance(diag, int)):
+            return None
+        self.seen.append(src)
+        lower = node.target in (torch.tril, "tril")
+        # tril(d) keeps col <= row + d; triu(d) keeps col >= row + d, i.e. col - row > d - 1
+        return _Structure(upper=(diag, ())) if lower else _Structure(lower=(diag - 1, ()))
+
+
+def arg_dtype(node: fx.Node):
+    return node.kwargs.get("dtype")
+
+
+def _conjoin(a, b):
+    if isinstance(a, _Const) and isinstance(b, _Const):
+        return _Const(a.value and b.value)
+    for x, y in ((a, b), (b, a)):
+        if isinstance(x, _Const):
+            return y if x.value and isinstance(y, _Structure) else None
+    if isinstance(a, _Structure) and isinstance(b, _Structure):
+        return a & b
+    return None
+
+
+def _compare(target, a, b):
+    """``a op b`` with one side the column index and the other the row index."""
+    if not (isinstance(a, _Index) and isinstance(b, _Index)) or {a.dim, b.dim} != {-1, -2}:
+        return None
+    name = {operator.le: "le", torch.le: "le", operator.lt: "lt", torch.lt: "lt",
+            operator.ge: "ge", torch.ge: "ge", operator.gt: "gt", torch.gt: "gt"}[target]
+    if a.dim == -2:  # write it as col ? row + d
+        a, b = b, a
+        name = {"le": "ge", "lt": "gt", "ge": "le", "gt": "lt"}[name]
+    d = _add(b.offset, a.offset, -1)  # col + ca ? row + cb  <=>  col - row ? cb - ca
+    if name == "le":
+        return _Structure(upper=d)
+    if name == "lt":
+        return _Structure(upper=_add(d, (-1, ())))
+    if name == "gt":
+        return _Structure(lower=d)
+    return _Structure(lower=_add(d, (-1, ())))
+
+
+def mask_structure(node, keep: bool = True) -> MaskStructure | None:
+    """The structure of a boolean mask node (True keeps, or with ``keep=False`` True
+    drops), None where it is not recognised whole.  Recognised: conjunctions of causal
+    bounds (``tril``/``triu`` of ones, index comparisons with any offsets, a sliding
+    window) and key padding gathered by (batch, key)."""
+    ev = _Evaluator()
+    found = ev(node)
+    if not keep:
+        found = _negate(found)
+    if isinstance(found, _Const):
+        return MaskStructure(nodes=tuple(ev.seen)) if found.value else None
+    if not isinstance(found, _Structure) or len(found.pads) > 1:
+        return None
+    if found.lower is not None and found.upper is None:
+        return None  # keys only bounded below: not a causal structure
+    window = 0
+    if found.lower is not None:
+        span = _add(found.upper, found.lower, -1)
+        if span[1] or span[0] <= 0:
+            return None
+        window = span[0]
+    pad, pad_offset = found.pads[0] if found.pads else (None, _ZERO)
+    return MaskStructure(causal=found.upper is not None, diagonal=found.upper or _ZERO, window=window,
+                         key_padding=pad, pad_offset=pad_offset, nodes=tuple(ev.seen))
+
+
+def _negate(found):
+    """The complement of a single bound (a drop mask such as ``triu(ones, 1)``)."""
+    if isinstance(found, _Const):
+        return _Const(not found.value)
+    if isinstance(found, _Structure) and not found.pads and (found.upper is None) != (found.lower is None):
+        if found.upper is not None:  # not (col - row <= u)  ==  col - row > u
+            return _Structure(lower=found.upper)
+        return _Structure(upper=found.lower)  # not (col - row > l)  ==  col - row <= l
+    return None
+
+
+def materialize(graph: fx.Graph, offset: tuple):
+    """An affine offset as an int or a node computing it (inserted at the graph's
+    current insertion point)."""
+    const, terms = offset
+    result = const
+    for node, c in terms:
+        term = node if c == 1 else graph.call_function(operator.mul, (node, c))
+        result = term if isinstance(result, int) and result == 0 else graph.call_function(operator.add,
+                                                                                         (result, term))
+    return result
+
+
+# Ops that build masks and nothing else: once the rewrite drops a mask, those of its
+# producers left without users are erased (never an op with effects, such as a cache update).
+_PURE_METHODS = {"to", "bool", "expand", "contiguous", "clone", "new_ones", "unsqueeze", "tril", "triu",
+                 "float", "half", "bfloat16", "sub", "add", "__and__", "logical_and"}
+_PURE_FUNCTIONS = {torch.arange, torch.ones, torch.zeros, torch.tril, torch.triu, torch.where, operator.getitem, operator.add,
+                   operator.sub, operator.and_, operator.le, operator.lt, operator.ge, operator.gt, torch.le, torch.lt,
+                   torch.ge, torch.gt, torch.logical_and, torch.bitwise_and, torch.sub, torch.add}
+
+
+def erase_dead(nodes) -> None:
+    """Erase the mask-building nodes among ``nodes`` (and their producers) that no longer
+    have users."""
+    pending, erased = list(nodes), set()
+    while pending:
+        node = pending.pop()
+        if node in erased or node.users or node.op not in ("call_function", "call_method"):
+            continue
+        pure = node.target in _PURE_METHODS if node.op == "call_method" else _hashable_in(node.target,
+                                                                                        _PURE_FUNCTIONS)
+        if not pure:
+            continue
+        inputs = node.all_input_nodes
+        node.graph.erase_node(node)
+        erased.add(node)
+        pending.extend(inputs)
+
+
+def _hashable_in(target, group) -> bool:
+    try:
+        return target in group
+    except TypeError:
+        return False
+
+
+def _where_fill(node) -> tuple | None:
+    """``where(cond, 0, fill)`` (keep where cond) or ``where(cond, fill, 0)`` (drop) with a
+    constant fill at or below ``MASK_FILL_MAX``: (cond, keep, fill), else None.  HF's eager
+    attention adds such a mask (fill finfo.min)."""
+    if kind(node) != "where":
+        return None
+    cond, a, b = (arg(node, i) for i in range(3))
+    fa, fb = _fill_value(a), _fill_value(b)
+    if fa == 0.0 and fb is not None and fb <= MASK_FILL_MAX:
+        return cond, True, fb
+    if fb == 0.0 and fa is not None and fa <= MASK_FILL_MAX:
+        return cond, False, fa
+    return None
+
+
+def _fill_value(x) -> float | None:
+    if isinstance(x, fx.Node) and x.op == "call_function" and x.target is torch.zeros:
+        return 0.0
+    return constant_fill(x)
+
+
+def structure_site(site: Site) -> None:
+    """Read the structure of a site's masks: each mask whose structure is recognised
+    leaves the site's dense masks and joins its causal structure and key padding (one
+    causal bound and one key-padding vector at most); ``site.empty_rows`` records what a
+    query row with no visible key gets where the site was written (``attention.EMPTY_ROWS``)."""
+    parts, fills, runtime = [], [], False
+    if site.attn_mask is not None:  # SDPA: boolean (True keeps) or additive
+        mask = site.attn_mask
+        found = None
+        if value(mask).dtype == torch.bool:
+            found, fill = mask_structure(mask), None
+        elif (where := _where_fill(mask)) is not None:
+            found, fill = mask_structure(where[0], keep=where[1]), where[2]
+            found = found and dataclasses.replace(found, nodes=(*found.nodes, mask))
+        if found is not None:
+            parts.append(found)
+            site.attn_mask = None
+            fills.append(fill)
+        elif value(mask).dtype != torch.bool:
+            runtime = True
+    for masks, keep in ((site.keep_masks, True), (site.drop_masks, False)):
+        for mask, fill in list(masks):
+            found = mask_structure(mask, keep=keep)
+            if found is not None:
+                parts.append(found)
+                masks.remove((mask, fill))
+            fills.append(fill)
+    for term in list(site.bias_terms):
+        mask, factors = term
+        where = _where_fill(mask) if not factors else None
+        found = mask_structure(where[0], keep=where[1]) if where is not None else None
+        if found is None:
+            runtime = True
+            continue
+        parts.append(dataclasses.replace(found, nodes=(*found.nodes, mask)))
+        site.bias_terms.remove(term)
+        fills.append(where[2])
+    site.empty_rows = _empty_rows(site.kind, fills, runtime)
+    combined = _combine(parts, site.causal) if parts else None
+    if combined is None:
+        return  # masks stay dense (none recognised, or their structure did not combine)
+    site.structure = combined
+    site.causal = site.causal or combined.causal
+
+
+def _combine(parts: list, causal: bool) -> MaskStructure | None:
+    bounded = [p for p in parts if p.causal]
+    padded = [p for p in parts if p.key_padding is not None]
+    if len(bounded) + causal > 1 or len(padded) > 1:
+        return None
+    out = MaskStructure(nodes=tuple(n for p in parts for n in p.nodes))
+    if bounded:
+        out = dataclasses.replace(out, causal=True, diagonal=bounded[0].diagonal, window=bounded[0].window)
+    if padded:
+        out = dataclasses.replace(out, key_padding=padded[0].key_padding, pad_offset=padded[0].pad_offset)
+    return out
+
+
+def _empty_rows(site_kind: str, fills: list, runtime: bool) -> str:
+    """SDPA gives an empty row zeros for boolean and -inf masks (its safe softmax) and the
+    mean of V for a finite fill; a hand-written softmax gives NaN for -inf fills and the
+    mean of V for finite ones.  Additive masks whose values only the run shows decide per
+    row at run time."""
+    if runtime:
+        return "sdpa" if site_kind == "sdpa" else "softmax"
+    finite = [f for f in fills if f is not None and f != float("-inf")]
+    if finite:
+        return "mean"
+    if site_kind == "sdpa" or not fills:
+        return "zero"
+    return "nan"
