@@ -39,10 +39,12 @@ OPS = ["IGMMA", "QGMMA", "HGMMA", "WARPGROUP", "MUFU", "I2F", "F2I", "F2FP", "FM
 
 
 def compile_variant(d, p_mode, causal, bias_mode, block_m, warps, stages, maxnreg=None, tma=True, perm=True,
-                    options=None, out_dtype="bf16"):
+                    options=None, out_dtype="bf16", windowed=False):
     names = K._fwd_kernel.arg_names
     ptr_types = {"Q": "*i8", "K": "*i8", "VT": "*fp8e4nv", "QS": "*fp32", "KS": "*fp32", "VS": "*fp32",
                  "BIAS": "*fp32", "OUT": f"*{out_dtype}", "LSE": "*fp32", "ROW_REF": "*fp32"}
+    head_dim = F.kernel_head_dim(d)
+    tma = tma and head_dim == d  # padded head dims take the pointer path (the launcher's rule)
     if tma and not perm:
         ptr_types["K"] = f"tensordesc<i8[1, 1, {K.BLOCK_N}, {d}]>"
     if tma:
@@ -50,8 +52,9 @@ def compile_variant(d, p_mode, causal, bias_mode, block_m, warps, stages, maxnre
     unit = {"stride_qd", "stride_kd", "stride_vn", "stride_qsm", "stride_ksn", "stride_od", "stride_lm", "stride_bn"}
     if not bias_mode:
         unit.discard("stride_bn")
-    constexprs = dict(HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=K.BLOCK_N, P_MODE=K._P_MODE_ID[p_mode],
-                      CAUSAL=causal, BIAS_MODE=bias_mode, USE_TMA=tma, PERM_P=perm, LIFT=F.p_lift(p_mode),
+    constexprs = dict(D_QK=d, D_V=d, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim, BLOCK_M=block_m, BLOCK_N=K.BLOCK_N,
+                      P_MODE=K._P_MODE_ID[p_mode], CAUSAL=causal, WINDOWED=causal and windowed, BIAS_MODE=bias_mode,
+                      USE_TMA=tma, PERM_P=perm, EMULATE=False, LIFT=F.p_lift(p_mode), EMPTY_ROW=F.EMPTY_ROW_LOG2,
                       **K.OPTIONS)
     constexprs.update(options or {})
     constexprs.update({n: 1 for n in unit})
@@ -107,6 +110,7 @@ def main():
     ap.add_argument("--bias", type=int, nargs="*", default=[0, 1, 2], help="bias modes")
     ap.add_argument("--causal", type=int, nargs="*", default=[0, 1])
     ap.add_argument("--no-tma", action="store_true")
+    ap.add_argument("--windowed", action="store_true", help="causal variants with a sliding window")
     ap.add_argument("--no-perm", action="store_true")
     ap.add_argument("--opt", nargs="*", default=[], help="NAME=0/1 kernel switches")
     ap.add_argument("--gluon", nargs="*", choices=sorted(GLUON), help="these Gluon kernels instead")
@@ -127,13 +131,15 @@ def main():
             name += f"r{cfg[3]}"
         if args.no_tma:
             name += "_ptr"
+        if args.windowed:
+            name += "_window"
         if args.no_perm:
             name += "_noperm"
         for kv in args.opt:
             name += "_" + kv.replace("PV_SPLIT", "pv").replace("CVT_I2F", "i2f")
         opts = {kv.split("=")[0]: bool(int(kv.split("=")[1])) for kv in args.opt}
         report(name, lambda: compile_variant(d, mode, bool(causal), bias, *cfg, tma=not args.no_tma,
-                                             perm=not args.no_perm, options=opts), args.dump)
+                                             perm=not args.no_perm, options=opts, windowed=args.windowed), args.dump)
 
 
 def report(name: str, compile_fn, dump: str | None) -> None:

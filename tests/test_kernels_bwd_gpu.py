@@ -39,6 +39,27 @@ def test_matches_reference(shape, p_mode, causal):
     check(ops, causal, p_mode, grads, dumps)
 
 
+STRUCTURES = [  # (B, H, Hkv, Nq, Nk, D, Dv, bias, diagonal, window): as the forward's tests
+    (1, 4, 2, 300, 1000, 80, None, "keypad", 700, 0),
+    (1, 4, 2, 1000, 1000, 64, None, None, 0, 256),
+    (1, 2, 1, 700, 300, 32, None, "keypad", -400, 0),
+    (1, 2, 1, 513, 513, 256, None, None, 0, 0),
+    (1, 2, 1, 333, 700, 192, 128, None, 0, 0),
+    (1, 2, 2, 203, 799, 96, None, "keypad", 0, 0),
+]
+
+
+@pytest.mark.parametrize("p_mode", F.P_MODES)
+@pytest.mark.parametrize("case", STRUCTURES, ids=lambda c: "b{}h{}kv{}q{}k{}d{}v{}-{}-diag{}w{}".format(*c))
+def test_structures_and_head_dims(case, p_mode):
+    b, h, hkv, nq, nk, d, dv, bias_kind, diagonal, window = case
+    causal = bool(diagonal or window or d != 256)
+    structure = dict(diagonal=diagonal, window=window)
+    ops = operands(b, h, hkv, nq, nk, d, p_mode, causal, bias_kind, dv=dv, **structure)
+    grads, dumps = run(ops, causal, p_mode, **structure)
+    check(ops, causal, p_mode, grads, dumps, **structure)
+
+
 @pytest.mark.parametrize("p_mode", F.P_MODES)
 def test_dense_bias(p_mode):
     """A full [B, H, Nq, Nk] additive bias, causal on top."""

@@ -58,8 +58,9 @@ _inputs = quantized_operands
 
 def _run_kernel(ops, bias, causal, p_mode, out_dtype=torch.float32, kernel="triton", **kw):
     q8 = ops[0]
-    b, h, nq, d = q8.shape
-    # Allocated as the op does: [B, H, Nq, D] stored [B, Nq, H, D]; poisoned.
+    b, h, nq, _ = q8.shape
+    d = ops[2].shape[-2]
+    # Allocated as the op does: [B, H, Nq, Dv] stored [B, Nq, H, Dv]; poisoned.
     out = torch.full((b, nq, h, d), float("nan"), dtype=out_dtype, device="cuda").transpose(1, 2)
     lse, row_ref = (torch.full((b, h, nq), float("nan"), device="cuda") for _ in range(2))
     dev = [t.cuda() for t in ops]
@@ -74,10 +75,13 @@ def _check(got, ref, p_mode, lse_tol=None):
     assert not out.isnan().any() and not lse.isnan().any(), "unwritten or NaN output"
     # Integer ceilings of exact INT8 scores: equal in every mode.
     assert torch.equal(row_ref, ref_r), "row reference differs from the reference's"
+    empty = ref_l == float("-inf")  # rows with no visible key: O = 0, LSE -inf
+    assert torch.equal(lse == float("-inf"), empty), "rows with no visible key differ"
+    assert not out.masked_select(empty[..., None]).any(), "a row with no visible key is not zero"
     diff = (out.double() - ref_o.double()).abs()
     rel = (diff.norm() / ref_o.double().norm()).item()
     scale = ref_o.abs().max().item()
-    lse_err = (lse - ref_l).abs()
+    lse_err = (lse - ref_l).masked_fill(empty, 0.0).abs()
     if p_mode == "exp":
         t = EXP_TOL
         assert rel <= t["rel_l2"], f"rel-L2 {rel:.3e}"
@@ -118,6 +122,32 @@ def test_matches_reference(shape, p_mode, d, causal):
     ops, bias = _inputs(b, h, hkv, nq, nk, d, p_mode, bias_kind)
     ref = R.attention_forward(*ops, bias, causal, p_mode, torch.float32)
     _check(_run_kernel(ops, bias, causal, p_mode), ref, p_mode)
+
+
+# Head dims that are not powers of two (padded tiles), D_qk != D_v, and the causal
+# structures: chunked prefill and decode (bottom-right diagonals), a sliding window, more
+# queries than keys (rows with no visible key), each with and without key padding.
+STRUCTURES = [  # (B, H, Hkv, Nq, Nk, D, Dv, bias, diagonal, window)
+    (1, 4, 2, 300, 1000, 80, None, "keypad", 700, 0),
+    (2, 4, 1, 1, 4224, 96, None, None, 4223, 0),
+    (1, 4, 2, 1000, 1000, 64, None, None, 0, 256),
+    (1, 4, 2, 1000, 1300, 128, None, "keypad", 300, 4096 // 8),
+    (1, 2, 1, 700, 300, 32, None, None, -400, 0),
+    (1, 2, 1, 513, 513, 256, None, None, 0, 0),
+    (1, 2, 1, 333, 700, 192, 128, None, 0, 0),
+    (1, 2, 2, 203, 799, 40, None, "keypad", 0, 0),
+    (1, 2, 2, 203, 799, 160, None, None, 0, 0),
+]
+
+
+@pytest.mark.parametrize("p_mode", F.P_MODES)
+@pytest.mark.parametrize("case", STRUCTURES, ids=lambda c: "b{}h{}kv{}q{}k{}d{}v{}-{}-diag{}w{}".format(*c))
+def test_structures_and_head_dims(case, p_mode):
+    b, h, hkv, nq, nk, d, dv, bias_kind, diagonal, window = case
+    causal = bool(diagonal or window or not (d == 256 or dv))
+    ops, bias = _inputs(b, h, hkv, nq, nk, d, p_mode, bias_kind, dv=dv)
+    ref = R.attention_forward(*ops, bias, causal, p_mode, torch.float32, diagonal, window)
+    _check(_run_kernel(ops, bias, causal, p_mode, diagonal=diagonal, window=window), ref, p_mode)
 
 
 # The Gluon kernel's scope: P modes direct and exp, no bias, Nk a multiple of 16.  Odd query

@@ -69,6 +69,18 @@ def test_matches_formats(shape, d, layout):
     _check_k(k8, ks, k8_ref, ks_ref)
 
 
+@pytest.mark.parametrize("d,dv", [(32, 32), (40, 40), (80, 80), (96, 96), (160, 160), (256, 256), (192, 128)])
+def test_head_dims(d, dv):
+    """Head dims that are not powers of two run in padded tiles (masked channels); D_v of its own."""
+    q, k, _ = _inputs(2, 4, 2, 113, 203, d, torch.bfloat16, "bnhd")
+    v = torch.randn(2, 2, 203, dv, device="cuda", dtype=torch.bfloat16)
+    q8, k8, vt, qs, ks, vs = _launch(q, k, v, d ** -0.5)
+    q8_ref, k8_ref, vt_ref, qs_ref, ks_ref, vs_ref = _reference(q, k, v, d ** -0.5)
+    assert torch.equal(q8, q8_ref) and torch.equal(qs, qs_ref)
+    assert torch.equal(bits(vt), bits(vt_ref)) and torch.equal(vs, vs_ref)
+    _check_k(k8, ks, k8_ref, ks_ref)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_other_input_dtypes(dtype):
     q, k, v = _inputs(2, 4, 2, 300, 300, 128, dtype, "bnhd")
