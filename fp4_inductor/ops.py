@@ -228,6 +228,11 @@ def sdpa_with_structure(q, k, v, attn_mask, scale, is_causal, diagonal=0, window
     """BF16 SDPA over what ``lowp_attention``'s arguments mean (the causal structure and
     key padding as a boolean mask): the output and the rows with no visible key, as
     ``formats.mask_to_log2_bias`` counts them."""
+    if attn_mask is None and key_padding is None and not (diagonal or window):
+        # SDPA's own causal structure, or none: its is_causal (the flash/cuDNN backends take it)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale,
+                                                               enable_gqa=k.shape[1] != q.shape[1])
+        return out, torch.zeros(q.shape[:3], dtype=torch.bool, device=q.device)
     nq, nk = q.shape[-2], k.shape[-2]
     keep = F.visible(torch.arange(nq, device=q.device)[:, None], torch.arange(nk, device=q.device)[None, :],
                      is_causal, diagonal, window)

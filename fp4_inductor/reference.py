@@ -106,7 +106,9 @@ def attention_forward(
         m_new = torch.maximum(m, torch.ceil(x.float().amax(dim=-1, keepdim=True)))
         # Rows with every key so far masked keep reference -inf and contribute nothing.
         alpha = torch.where(m_new == m, 1.0, torch.exp2(m - m_new))
-        p = _probability(x, m_new, p_mode)
+        # A row with no visible key yet has P = 0 whatever its reference: 0 instead of -inf
+        # keeps x - m from NaN (-inf - -inf).
+        p = _probability(x, torch.where(m_new == float("-inf"), 0.0, m_new), p_mode)
         l = l * alpha + p.sum(dim=-1, keepdim=True)
         acc = acc * alpha + p @ v[..., keys, :]
         m = m_new

@@ -81,6 +81,8 @@ FORWARD_CASES = [
     ((1, 2, 1, 300, 130, 32, None), "direct", True, {"diagonal": -170}),
     ((1, 2, 1, 260, 400, 96, None), "direct", True, {"diagonal": 140, "window": 150}),
     ((1, 2, 1, 100, 300, 160, "dense"), "exp", True, {"window": 37}),
+    ((1, 2, 1, 450, 450, 64, None), "exp", True, {"window": 256}),  # rows with no visible key in a tile
+    ((1, 2, 1, 300, 130, 64, None), "exp", True, {"diagonal": -170}),
     ((1, 1, 1, 100, 300, 192, None), "fp4", False, {"dv": 128}),
     ((1, 1, 1, 70, 140, 256, None), "direct", True, {}),
 ]

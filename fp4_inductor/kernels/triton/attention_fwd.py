@@ -239,7 +239,10 @@ def _update(
     m_new = tl.maximum(m_i, tl.math.ceil(x_max), propagate_nan=tl.PropagateNan.ALL)
     # Rows still fully masked keep m = -inf and alpha = 1; NaN rows stay NaN.
     alpha = tl.where(m_new == m_i, 1.0, tl.math.exp2(m_i - m_new))
-    p, l_tile = _probability(x, x_scale, m_new, P_MODE, EMULATE, BLOCK_M, BLOCK_N)
+    # A row with no visible key yet (a window or offset hides the tile from it) has P = 0
+    # whatever its reference: 0 instead of -inf keeps x - m from NaN, as the reference's.
+    p, l_tile = _probability(x, x_scale, tl.where(m_new == float("-inf"), 0.0, m_new), P_MODE, EMULATE,
+                             BLOCK_M, BLOCK_N)
     if PERM_P:
         p = _unpermute_p(p, BLOCK_M, BLOCK_N)
     if EMULATE:
@@ -386,8 +389,8 @@ def _fwd_kernel(
     # A row that saw no visible key (formats.EMPTY_ROW_LOG2): O = 0, LSE = -inf, reference 0.
     empty = m_i < EMPTY_ROW
     v_scale = tl.load(VS + b * stride_vsb + hk * stride_vsh)
-    r = tl.where(empty, 0.0, tl.math.div_rn(tl.full([BLOCK_M], 1.0, tl.float32) * v_scale, l_i))
-    out = acc * r[:, None]
+    r = tl.math.div_rn(tl.full([BLOCK_M], 1.0, tl.float32) * v_scale, l_i)
+    out = tl.where(empty[:, None], 0.0, acc * r[:, None])
     o_ok = row_ok[:, None]
     if D_V < HEAD_DIM_V:
         o_ok = o_ok & (offs_dv < D_V)[None, :]
