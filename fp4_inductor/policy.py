@@ -80,7 +80,7 @@ def unsupported_reason(site: Site) -> str | None:
 def _head_dim_reason(d: int, dv: int) -> str | None:
     for name, n in (("head dim", d), ("value head dim", dv)):
         if not supported_head_dim(n):
-            return f"{name} {n} is not a multiple of {HEAD_DIM_STEP} from {MIN_HEAD_DIM} to {MAX_HEAD_DIM}"
+            return f"{name} {n} is not supported (multiples of {HEAD_DIM_STEP} from {MIN_HEAD_DIM} to {MAX_HEAD_DIM})"
     return None
 
 

@@ -39,6 +39,15 @@ def op_calls(fn, *args, **kwargs) -> tuple[object, dict[str, int]]:
     return result, counts
 
 
+def fwd_inputs(fn, *args, **kwargs) -> tuple[object, list[list]]:
+    """Run ``fn`` once to compile it, then again under the profiler: the second result and
+    the input shapes of each ``fp4attn::fwd`` call (q8, k8, v_t, scales, bias, ...)."""
+    fn(*args, **kwargs)
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        result = fn(*args, **kwargs)
+    return result, [list(e.input_shapes) for e in prof.events() if e.name == "fp4attn::fwd"]
+
+
 def grads(fn, inputs, grad_out=None):
     """Output and gradients w.r.t. ``inputs`` (leaf tensors)."""
     for t in inputs:

@@ -65,6 +65,14 @@ class _Const:
 
 
 @dataclasses.dataclass(frozen=True)
+class _Not:
+    """The complement of a structure with no simpler form (``~(tril & ~tril(-w))``, which
+    a drop mask undoes)."""
+
+    inner: object
+
+
+@dataclasses.dataclass(frozen=True)
 class _Structure:
     """A conjunction: ``col - row <= upper`` and ``col - row > lower`` (either may be None)
     and keys kept by ``keep[b, col + pad_offset]`` for each ``(keep, pad_offset)`` in
@@ -149,6 +157,10 @@ class _Evaluator:
             return _Index(-2 if dim in (1, -1) else -1, self(node.args[0]).offset) if dim in (0, 1, -1, -2) else None
         if node.op == "call_method" and target == "new_ones" and arg_dtype(node) is torch.bool:
             return _Const(True)
+        if node.op == "call_function" and target in (operator.invert, torch.logical_not, torch.bitwise_not) or \
+                (node.op == "call_method" and target in ("logical_not", "bitwise_not", "__invert__")):
+            inner = self(node.args[0])
+            return _negate(inner) or (_Not(inner) if isinstance(inner, _Structure) else None)
         if node.op == "call_function" and target in (operator.and_, torch.logical_and, torch.bitwise_and) or \
                 (node.op == "call_method" and target in ("logical_and", "__and__")):
             return _conjoin(self(node.args[0]), self(node.args[1]))
@@ -257,7 +269,10 @@ def mask_structure(node, keep: bool = True) -> MaskStructure | None:
 
 
 def _negate(found):
-    """The complement of a single bound (a drop mask such as ``triu(ones, 1)``)."""
+    """The complement of a single bound (a drop mask such as ``triu(ones, 1)``) or of a
+    complement."""
+    if isinstance(found, _Not):
+        return found.inner
     if isinstance(found, _Const):
         return _Const(not found.value)
     if isinstance(found, _Structure) and not found.pads and (found.upper is None) != (found.lower is None):
@@ -282,10 +297,12 @@ def materialize(graph: fx.Graph, offset: tuple):
 # Ops that build masks and nothing else: once the rewrite drops a mask, those of its
 # producers left without users are erased (never an op with effects, such as a cache update).
 _PURE_METHODS = {"to", "bool", "expand", "contiguous", "clone", "new_ones", "unsqueeze", "tril", "triu",
-                 "float", "half", "bfloat16", "sub", "add", "__and__", "logical_and"}
+                 "float", "half", "bfloat16", "sub", "add", "__and__", "logical_and", "logical_not", "bitwise_not",
+                 "__invert__"}
 _PURE_FUNCTIONS = {torch.arange, torch.ones, torch.zeros, torch.tril, torch.triu, torch.where, operator.getitem, operator.add,
                    operator.sub, operator.and_, operator.le, operator.lt, operator.ge, operator.gt, torch.le, torch.lt,
-                   torch.ge, torch.gt, torch.logical_and, torch.bitwise_and, torch.sub, torch.add}
+                   torch.ge, torch.gt, torch.logical_and, torch.bitwise_and, torch.sub, torch.add, operator.invert,
+                   torch.logical_not, torch.bitwise_not}
 
 
 def erase_dead(nodes) -> None:

@@ -1,0 +1,176 @@
+"""Masks with structure: what real models build reaches the op as a causal structure and a
+key-padding vector (``patterns/masks.py``), never as a dense ``[.., Nq, Nk]`` tensor; rows
+with no visible key get what eager gives them."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fp4_inductor
+from helpers import cosine, fwd_inputs, op_calls
+
+transformers = pytest.importorskip("transformers")
+
+B, N = 2, 24
+PAD = 5  # left padding of the second sequence
+
+
+def _causal_lm(name, attn):
+    torch.manual_seed(torch.initial_seed() % 2**31)
+    kw = dict(vocab_size=128, hidden_size=128, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, attn_implementation=attn)
+    if name == "llama":
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**kw))
+    if name == "qwen2":
+        return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**kw))
+    return transformers.MistralForCausalLM(transformers.MistralConfig(**kw, sliding_window=8))
+
+
+def _batch(padded: bool):
+    ids = torch.randint(1, 128, (B, N))
+    mask = torch.ones(B, N, dtype=torch.long)
+    if padded:
+        mask[1, :PAD] = 0
+    return ids, mask
+
+
+MODELS = [(m, a) for m in ("llama", "qwen2", "mistral") for a in ("sdpa", "eager")]
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["ones", "left-padded"])
+@pytest.mark.parametrize("name,attn", MODELS)
+def test_hf_attention_mask_reaches_the_op_as_structure(name, attn, padded):
+    model = _causal_lm(name, attn).eval()
+    ids, mask = _batch(padded)
+    report = fp4_inductor.explain(model, input_ids=ids, attention_mask=mask, policy="always")
+    want = "window 8+padding" if name == "mistral" else "causal+padding"
+    assert [s.mask for s in report.sites] == [want, want], str(report)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=mask).logits
+        with fp4_inductor.configure(policy="always"):
+            out, calls = fwd_inputs(torch.compile(model, backend="fp4attn"), input_ids=ids, attention_mask=mask)
+    assert len(calls) == 2
+    for q8, k8, v_t, _, _, _, bias, *_ in calls:
+        assert k8 == [B, 2, N, 32] and v_t == [B, 2, 32, N]  # K/V with Hkv heads: repeat_kv undone
+        assert bias == [B, 1, 1, N]  # the key-padding row, no [.., Nq, Nk] mask
+    keep = mask.bool()
+    assert cosine(out.logits[keep], ref[keep]) > 0.99
+    assert not out.logits.isnan().any()
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral"])
+def test_hf_training_with_gradient_checkpointing(name):
+    model = _causal_lm(name, "sdpa").train()
+    ids, mask = _batch(True)
+
+    def step(fn):
+        model.zero_grad()
+        out = fn(input_ids=ids, attention_mask=mask).logits
+        out[mask.bool()].float().pow(2).mean().backward()
+        return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+    ref = step(model)
+    got = {}
+    for ckpt in (False, True):
+        if ckpt:
+            model.gradient_checkpointing_enable()
+        torch._dynamo.reset()
+        with fp4_inductor.configure(policy="always"):
+            got[ckpt], calls = op_calls(step, torch.compile(model, backend="fp4attn"))
+        assert calls["fwd"] >= 2 and calls["bwd"] == 2, calls
+    model.gradient_checkpointing_disable()
+    assert cosine(got[True], ref) >= 0.98
+    # The recomputed forward quantizes exactly as the first one did.
+    assert cosine(got[True], got[False]) >= 0.9999
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_generate_left_padded(cache):
+    """Greedy tokens of a compiled generate(): eager's under policy="never", our ops under
+    "always" with no more recompiles than "never"."""
+    model = _causal_lm("llama", "sdpa").eval()
+    ids, mask = _batch(True)
+    kw = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    if cache == "static":
+        kw["cache_implementation"] = "static"
+    with torch.no_grad():
+        ref = model.generate(ids, **kw)
+    frames = {}
+    for policy in ("never", "always"):
+        torch._dynamo.reset()
+        counter = torch._dynamo.utils.counters
+        counter.clear()
+        forward = model.forward
+        model.forward = torch.compile(forward, backend="fp4attn")
+        try:
+            with torch.no_grad(), fp4_inductor.configure(policy=policy):
+                (out, calls) = op_calls(lambda: model.generate(ids, **kw))
+        finally:
+            model.forward = forward
+        frames[policy] = counter["stats"]["unique_graphs"]
+        if policy == "never":
+            assert torch.equal(out, ref) and calls["fwd"] == 0
+        else:
+            assert calls["fwd"] > 0 and out.shape == ref.shape
+    assert frames["always"] <= frames["never"], frames
+
+
+class TrilMasked(torch.nn.Module):
+    """nanoGPT without flash: a lower-triangular mask built in forward, filled with -inf."""
+
+    def __init__(self, window=0):
+        super().__init__()
+        self.qkv = torch.nn.Linear(64, 192)
+        self.window = window
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, 2, 32).permute(2, 0, 3, 1, 4)
+        att = (q @ k.transpose(-2, -1)) * 32**-0.5
+        keep = torch.tril(torch.ones(n, n, dtype=torch.bool))
+        if self.window:
+            keep = keep & ~torch.tril(torch.ones(n, n, dtype=torch.bool), diagonal=-self.window)
+        att = att.masked_fill(~keep, float("-inf"))
+        return (F.softmax(att, dim=-1) @ v).transpose(1, 2).reshape(b, n, 64)
+
+
+@pytest.mark.parametrize("window", [0, 7])
+def test_handwritten_tril_mask_is_causal(window):
+    module = TrilMasked(window).eval()
+    x = torch.randn(B, 40, 64)
+    report = fp4_inductor.explain(module, x, policy="always")
+    assert [s.mask for s in report.sites] == [f"window {window}" if window else "causal"], str(report)
+    torch._dynamo.reset()
+    with torch.no_grad(), fp4_inductor.configure(policy="always"):
+        out, calls = fwd_inputs(torch.compile(module, backend="fp4attn"), x)
+    assert calls and calls[0][6] == []  # no bias at all
+    assert cosine(out, module(x)) > 0.99
+
+
+@pytest.mark.parametrize("mask_kind", ["bool", "neg_inf", "finfo_min", "masked_fill"])
+def test_fully_masked_rows_match_eager(mask_kind):
+    """Query rows whose every key is masked: eager's zeros (SDPA: boolean and -inf masks),
+    mean of V (finite fills) or NaN (a softmax over -inf), on the reference path."""
+    torch.manual_seed(torch.initial_seed() % 2**31)
+    q, k, v = (torch.randn(2, 4, 40, 32) for _ in range(3))
+    keep = torch.rand(2, 1, 40, 40) > 0.3
+    keep[:, :, :5] = False  # five rows with no visible key
+
+    def fn(q, k, v, keep):
+        if mask_kind == "bool":
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+        if mask_kind in ("neg_inf", "finfo_min"):
+            fill = float("-inf") if mask_kind == "neg_inf" else torch.finfo(torch.float32).min
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=torch.where(keep, 0.0, fill) * 1.0)
+        scores = (q @ k.transpose(-2, -1) * 32**-0.5).masked_fill(~keep, float("-inf"))
+        return F.softmax(scores, dim=-1) @ v
+
+    ref = fn(q, k, v, keep)
+    with fp4_inductor.configure(policy="always"):
+        out, calls = op_calls(torch.compile(fn, backend="fp4attn"), q, k, v, keep)
+    assert calls["fwd"] == 1
+    empty = ~keep.expand(2, 4, 40, 40).any(-1)
+    assert torch.equal(out.isnan(), ref.isnan())
+    torch.testing.assert_close(out[empty], ref[empty], equal_nan=True)
+    assert cosine(out[~empty], ref[~empty]) > 0.99
