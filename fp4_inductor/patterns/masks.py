@@ -166,7 +166,8 @@ class _Evaluator:
             return _conjoin(self(node.args[0]), self(node.args[1]))
         if node.op == "call_function" and target in (operator.le, operator.lt, operator.ge, operator.gt,
                                                       torch.le, torch.lt, torch.ge, torch.gt):
-            return _compare(target, self(node.args[0]), self(node.args[1]))
+            a, b = node.args[:2]
+            return _compare(target, self(a), _affine(b) if _affine(b) is not None else self(b))
         if node.op == "call_function" and target in (torch.tril, torch.triu) or \
                 (node.op == "call_method" and target in ("tril", "triu")):
             return self._triangle(node)
@@ -224,11 +225,15 @@ def _conjoin(a, b):
 
 
 def _compare(target, a, b):
-    """``a op b`` with one side the column index and the other the row index."""
-    if not (isinstance(a, _Index) and isinstance(b, _Index)) or {a.dim, b.dim} != {-1, -2}:
-        return None
+    """``a op b`` with one side the column index and the other the row index, or an index
+    against a constant that holds for every index (BERT's bidirectional ``q_idx >= 0``)."""
     name = {operator.le: "le", torch.le: "le", operator.lt: "lt", torch.lt: "lt",
             operator.ge: "ge", torch.ge: "ge", operator.gt: "gt", torch.gt: "gt"}[target]
+    if isinstance(a, _Index) and isinstance(b, tuple) and not b[1] and not a.offset[1]:
+        least = b[0] - a.offset[0]  # index >= least (ge) or > least (gt) for every index >= 0
+        return _Const(True) if (name == "ge" and least <= 0) or (name == "gt" and least < 0) else None
+    if not (isinstance(a, _Index) and isinstance(b, _Index)) or {a.dim, b.dim} != {-1, -2}:
+        return None
     if a.dim == -2:  # write it as col ? row + d
         a, b = b, a
         name = {"le": "ge", "lt": "gt", "ge": "le", "gt": "lt"}[name]
