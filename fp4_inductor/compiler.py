@@ -8,8 +8,11 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+from pathlib import Path
 
 import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from . import config
 from .config import Options
@@ -87,6 +90,34 @@ def rewrite(gm: torch.fx.GraphModule, options: Options) -> list[SiteRecord]:
     return rewrite_pass.records
 
 
+class SourceIdentity(CustomGraphPass):
+    """A post-grad pass that changes nothing but keys Inductor's FX graph cache on this
+    package's sources (``uuid``): a graph cached under another version of our ops' fake
+    kernels (their output shapes) would fail its size asserts at run time.  A user's own
+    pass of that slot runs inside it and joins the key."""
+
+    def __init__(self, inner=None):
+        self.inner = inner
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        if self.inner is not None:
+            self.inner(graph)
+
+    def uuid(self):
+        inner = None
+        if self.inner is not None:
+            inner = self.inner.uuid() if hasattr(self.inner, "uuid") else None
+            if inner is None:
+                return None  # a pass without an identity: Inductor does not cache
+        return (_package_hash(), inner)
+
+
+@functools.cache
+def _package_hash() -> bytes:
+    root = Path(__file__).parent
+    return get_hash_for_files(tuple(sorted(str(p) for p in (*root.rglob("*.py"), *root.glob("tables/*.json")))))
+
+
 def compile_graph(gm: torch.fx.GraphModule, example_inputs, options: Options, mode: str | None = None,
                   inductor_options: dict | None = None):
     """Rewrite, then Inductor with ``torch.compile``'s ``mode``/``options`` applied as
@@ -96,6 +127,8 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, options: Options, mo
 
     rewrite(gm, options)
     patches = {**(torch._inductor.list_mode_options(mode) if mode else {}), **(inductor_options or {})}
+    inner = patches.get("post_grad_custom_pre_pass", torch._inductor.config.post_grad_custom_pre_pass)
+    patches["post_grad_custom_pre_pass"] = inner if isinstance(inner, SourceIdentity) else SourceIdentity(inner)
     if softmax_over_other_dim(gm.graph):
         # Inductor's attention fusion takes softmax(S, dim=-2) @ V for attention and
         # computes it wrongly (rel-L2 0.19 against eager in torch 2.13): its pattern

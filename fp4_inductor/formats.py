@@ -115,10 +115,18 @@ def p_lift(p_mode: str) -> float:
 # ---------------------------------------------------------------- input quantization
 
 
+def scale_blocks(n: int) -> int:
+    """Blocks of per-block scales for ``n`` tokens: ``ceil(n / SCALE_BLOCK)`` and one spare,
+    all zeros (scale 1).  The spare keeps the count at 2 or more, which the compiler can
+    prove: a count that may be 1 makes it specialise on it (a guard, and a recompile when
+    a dynamic length crosses one block)."""
+    return (n + SCALE_BLOCK - 1) // SCALE_BLOCK + 1
+
+
 def _block_view(x: torch.Tensor, block: int) -> tuple[torch.Tensor, int]:
-    """[..., N, D] -> [..., ceil(N / block), block, D], zero padded."""
+    """[..., N, D] -> [..., ceil(N / block) + 1, block, D], zero padded (``scale_blocks``)."""
     n = x.shape[-2]
-    nb = (n + block - 1) // block
+    nb = (n + block - 1) // block + 1
     # Always pad (a zero pad is free): branching on a symbolic length would add a guard.
     x = torch.nn.functional.pad(x, (0, 0, 0, nb * block - n))
     return x.unflatten(-2, (nb, block)), n
@@ -145,7 +153,7 @@ def _cast(x: torch.Tensor, dtype: torch.dtype, fmax: float) -> torch.Tensor:
 def quantize_blockwise(x: torch.Tensor, dtype: torch.dtype = E4M3) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-SCALE_BLOCK-token E4M3/E5M2 quantization of ``[B, H, N, D]``.
 
-    Returns the codes, same shape, and float32 scales ``[B, H, ceil(N / SCALE_BLOCK)]``.
+    Returns the codes, same shape, and float32 scales ``[B, H, scale_blocks(N)]``.
     """
     fmax = E4M3_MAX if dtype == E4M3 else E5M2_MAX
     xb, n = _block_view(x.float(), SCALE_BLOCK)

@@ -89,7 +89,7 @@ def _(q, k, v, sm_scale, fmt):
         q.new_empty(b, hkv, nk, d, dtype=torch.int8),
         q.new_empty(b, hkv, dv, nk, dtype=F.E4M3),
         q.new_empty(b, h, nq, dtype=torch.float32),
-        q.new_empty(b, hkv, (nk + F.SCALE_BLOCK - 1) // F.SCALE_BLOCK, dtype=torch.float32),
+        q.new_empty(b, hkv, F.scale_blocks(nk), dtype=torch.float32),
         q.new_empty(b, hkv, dtype=torch.float32),
     )
 

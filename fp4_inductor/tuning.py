@@ -13,6 +13,7 @@ import dataclasses
 import json
 import math
 import os
+import stat
 import tempfile
 import warnings
 from pathlib import Path
@@ -57,22 +58,37 @@ def _valid_entry(entry) -> bool:
     for name, kind in _ENTRY_FIELDS.items():
         value = entry[name]
         if kind is float:
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            # isinstance first: math.isfinite raises OverflowError on an integer beyond float's range
+            if isinstance(value, bool) or not isinstance(value, float) and not (
+                    isinstance(value, int) and abs(value) < 2**53) or not math.isfinite(value):
                 return False
         elif not isinstance(value, kind):
             return False
     return entry["path"] in PATHS
 
 
+# A cache holds one entry per attention shape of a model: a few kilobytes.  Anything far
+# larger is not ours (and would cost every compile that reads it).
+MAX_CACHE_BYTES = 1 << 20
+
+
 def load_decisions(gpu: str) -> dict:
-    """Tuned decisions for this GPU and library versions ({} if none or unusable)."""
+    """Tuned decisions for this GPU and library versions ({} if none or unusable: any
+    content, size, encoding or kind of file is ignored with a warning, never raised)."""
     path = cache_file(gpu)
-    if not path.exists():
+    try:
+        info = path.lstat()
+    except OSError:
+        return {}  # no cache yet
+    if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_CACHE_BYTES:
+        why = "not a regular file" if not stat.S_ISREG(info.st_mode) else f"over {MAX_CACHE_BYTES} bytes"
+        warnings.warn(f"fp4attn: ignoring tuning cache {path}: {why}", RuntimeWarning, stacklevel=2)
         return {}
     try:
-        doc = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        warnings.warn(f"fp4attn: ignoring unreadable tuning cache {path}: {err}", RuntimeWarning, stacklevel=2)
+        doc = json.loads(path.read_bytes()[:MAX_CACHE_BYTES + 1].decode("utf-8"))
+    except (OSError, ValueError, RecursionError) as err:  # ValueError: bad JSON or UTF-8, a huge integer
+        warnings.warn(f"fp4attn: ignoring unreadable tuning cache {path}: {err!r}"[:500], RuntimeWarning,
+                      stacklevel=2)
         return {}
     if not isinstance(doc, dict) or doc.get("schema") != SCHEMA or not isinstance(doc.get("entries"), dict):
         warnings.warn(f"fp4attn: ignoring tuning cache {path}: unknown schema", RuntimeWarning, stacklevel=2)

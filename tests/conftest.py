@@ -16,13 +16,27 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+SEED_VARIABLE = "FP4ATTN_TEST_SEED"
+
+
 @pytest.fixture(autouse=True)
-def fresh_seed():
-    """Fresh random inputs every run; the seed is printed so a failure can be replayed."""
-    seed = int.from_bytes(os.urandom(4), "little")
+def fresh_seed(request):
+    """Fresh random inputs every run, or the seed of FP4ATTN_TEST_SEED: a failure's report
+    names the seed and the command that replays it."""
+    fixed = os.environ.get(SEED_VARIABLE)
+    seed = int(fixed) if fixed else int.from_bytes(os.urandom(4), "little")
     torch.manual_seed(seed)
-    print(f"seed={seed}")
+    request.node.fp4attn_seed = seed
     yield seed
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    seed = getattr(item, "fp4attn_seed", None)
+    if report.failed and seed is not None:
+        report.sections.append(("replay", f"{SEED_VARIABLE}={seed} python -m pytest '{item.nodeid}'"))
+    return report
 
 
 @pytest.fixture(autouse=True)

@@ -9,7 +9,7 @@ import textwrap
 
 SCRIPT = textwrap.dedent(
     """
-    import json, torch
+    import json, os, torch
     from torch._dynamo.utils import counters
     from torch.profiler import ProfilerActivity, profile
 
@@ -21,7 +21,10 @@ SCRIPT = textwrap.dedent(
         q, k, v = layer(x).view(2, 96, 3, 4, 64).permute(2, 0, 3, 1, 4).unbind(0)
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
 
-    compiled = torch.compile(attention, backend="fp4attn")  # no import of fp4_inductor
+    if os.environ.get("OTHER_SOURCES"):  # stands for another version of this package
+        import fp4_inductor.compiler
+        fp4_inductor.compiler._package_hash = lambda: b"other sources"
+    compiled = torch.compile(attention, backend="fp4attn")  # no import of fp4_inductor before this
     with torch.no_grad():
         out = compiled(x)
         with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -33,9 +36,9 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def _run(tmp_path, policy):
+def _run(tmp_path, policy, other_sources=False):
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"), FP4ATTN_POLICY=policy,
-               TORCHINDUCTOR_FX_GRAPH_CACHE="1")
+               TORCHINDUCTOR_FX_GRAPH_CACHE="1", OTHER_SOURCES="1" if other_sources else "")
     done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -51,3 +54,11 @@ def test_fx_graph_cache_hit_still_calls_op_and_policy_changes_result(tmp_path):
     assert never["calls"] == 0 and never["miss"] >= 1  # a different graph, not a stale hit
     assert never["out"] != first["out"]
 
+
+
+def test_fx_graph_cache_is_keyed_on_our_sources(tmp_path):
+    """A graph cached under another version of the package (its ops' fakes may give other
+    shapes) is not served: the cache misses, and the op still runs."""
+    first = _run(tmp_path, "always")
+    other = _run(tmp_path, "always", other_sources=True)
+    assert first["miss"] >= 1 and other["miss"] >= 1 and other["hit"] == 0 and other["calls"] == 1

@@ -339,13 +339,56 @@ def test_cache_roundtrip_is_atomic_and_merges(fake_gpu, tmp_path):
         lambda doc: json.dumps({**doc, "entries": {"a": {**_entry(), "pickle": "x"}}}),  # extra field
         lambda doc: json.dumps({**doc, "environment": {**doc["environment"], "gpu": "Other GPU"}}),  # foreign
         lambda doc: json.dumps([doc]),  # not an object
+        lambda doc: json.dumps(doc).replace('"speedup": 1.3', '"speedup": ' + "1" + "0" * 400),  # beyond float
+        lambda doc: json.dumps(doc).replace('"speedup": 1.3', '"speedup": ' + "7" * 5000),  # int-string limit
+        lambda doc: json.dumps(doc).replace('"speedup": 1.3', '"speedup": 1e400'),  # parses as inf
+        lambda doc: "[" * 100_000,  # recursion
+        lambda doc: b"\xff\xfe" + json.dumps(doc).encode("utf-16-le"),  # another encoding
+        lambda doc: json.dumps({**doc, "pad": "x" * (tuning.MAX_CACHE_BYTES + 1)}),  # too large
     ],
 )
 def test_bad_cache_files_are_ignored_with_a_warning(fake_gpu, corrupt):
     tuning.save_decisions("Test GPU", {"a": _entry()})
     path = tuning.cache_file("Test GPU")
-    path.write_text(corrupt(json.loads(path.read_text())))
+    content = corrupt(json.loads(path.read_text()))
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
     with pytest.warns(RuntimeWarning, match="ignoring"):
+        assert tuning.load_decisions("Test GPU") == {}
+
+
+def test_fuzzed_cache_files_never_raise(fake_gpu, fresh_seed):
+    """Random bytes, and a valid file with random bytes flipped: ignored or read, never raised."""
+    import random
+    import warnings
+
+    rng = random.Random(fresh_seed)
+    tuning.save_decisions("Test GPU", {"a": _entry()})
+    path = tuning.cache_file("Test GPU")
+    good = path.read_bytes()
+    for _ in range(200):
+        if rng.random() < 0.3:
+            data = bytes(rng.randrange(256) for _ in range(rng.randrange(1, 300)))
+        else:
+            data = bytearray(good)
+            for _ in range(rng.randrange(1, 6)):
+                data[rng.randrange(len(data))] = rng.randrange(256)
+        path.write_bytes(bytes(data))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            assert isinstance(tuning.load_decisions("Test GPU"), dict)
+
+
+@pytest.mark.parametrize("kind", ["symlink", "directory"])
+def test_cache_that_is_not_a_regular_file_is_ignored(fake_gpu, tmp_path, kind):
+    tuning.save_decisions("Test GPU", {"a": _entry()})
+    path = tuning.cache_file("Test GPU")
+    target = tmp_path / "elsewhere.json"
+    path.rename(target)
+    if kind == "symlink":
+        path.symlink_to(target)  # a valid file behind it: still not ours to follow
+    else:
+        path.mkdir()
+    with pytest.warns(RuntimeWarning, match="not a regular file"):
         assert tuning.load_decisions("Test GPU") == {}
 
 

@@ -148,7 +148,10 @@ def _k_block(pid, K, K8, KS, KSUM, inv_nk, HKV, NK, N_CHUNKS, stride_kb, stride_
         rows = block * ROWS + r + tl.arange(0, TILE)
         k = _load_rows(K, b, h, rows, NK, stride_kb, stride_kh, stride_kn, stride_kd, D, HEAD_DIM) - mean[None, :]
         _store_rows(K8, bh, rows, NK, _round_int8(_per_scale(k, scale), EMULATE), D, HEAD_DIM)
-    tl.store(KS + bh * tl.cdiv(NK, ROWS) + block, scale)
+    blocks = tl.cdiv(NK, ROWS)
+    tl.store(KS + bh * (blocks + 1) + block, scale)
+    if block == blocks - 1:  # formats.scale_blocks: the spare block after the last has scale 1
+        tl.store(KS + bh * (blocks + 1) + blocks, 1.0)
 
 
 @triton.jit
@@ -202,7 +205,7 @@ def quantize_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale:
     q8 = torch.empty(b, h, nq, d, dtype=torch.int8, device=dev)
     q_scale = torch.empty(b, h, nq, dtype=torch.float32, device=dev)
     k8 = torch.empty(b, hkv, nk, d, dtype=torch.int8, device=dev)
-    k_scale = torch.empty(b, hkv, triton.cdiv(nk, F.SCALE_BLOCK), dtype=torch.float32, device=dev)
+    k_scale = torch.empty(b, hkv, F.scale_blocks(nk), dtype=torch.float32, device=dev)
     v_t = torch.empty(b, hkv, dv, nk, dtype=F.E4M3, device=dev)
     v_scale = torch.empty(b, hkv, dtype=torch.float32, device=dev)
     if q8.numel() == 0 or k8.numel() == 0:
