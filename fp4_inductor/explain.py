@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
 from . import config
 from .compiler import SiteRecord, rewrite
 from .tuning import run_once
@@ -11,11 +13,32 @@ from .tuning import run_once
 
 @dataclasses.dataclass
 class Report:
+    """What ``explain`` found: the attention sites, how many graphs Dynamo captured, the
+    reasons it broke graphs, and the error of a trace that failed."""
+
     sites: list[SiteRecord]
+    graphs: int = 0
+    graph_breaks: list[str] = dataclasses.field(default_factory=list)
+    error: str | None = None
 
     def __str__(self) -> str:
-        if not self.sites:
-            return "fp4attn: no attention sites found"
+        lines = [self._table()] if self.sites else [self._no_sites()]
+        if self.graph_breaks:
+            lines.append(f"{len(self.graph_breaks)} graph break(s); attention in the code between graphs runs "
+                         "eagerly, not through fp4attn:")
+            lines += [f"  - {reason}" for reason in self.graph_breaks]
+        return "\n".join(lines)
+
+    def _no_sites(self) -> str:
+        if self.error is not None:
+            return f"fp4attn: tracing failed, so no site could be examined: {self.error}"
+        if self.graphs == 0:
+            return ("fp4attn: Dynamo captured no graph (the frame was skipped: torch.compiler.disable, "
+                    "a skipped module, or nothing to trace), so no attention was seen")
+        return (f"fp4attn: no attention sites found in {self.graphs} graph(s): no SDPA call, softmax(QK^T)V or "
+                "nn.MultiheadAttention in them (attention inside a custom op or a C++ extension is not visible)")
+
+    def _table(self) -> str:
         header = ("#", "site", "kind", "B,H,Hkv,Nq,Nkv,D", "mask", "train", "path", "speedup", "reason")
         rows = [
             (
@@ -39,15 +62,32 @@ class Report:
 
 def explain(model_or_fn, *args, policy: str | None = None, fmt: str | None = None, **kwargs) -> Report:
     """Compile ``model_or_fn`` with the fp4attn rewrite, run it once on ``args``/``kwargs``
-    and report every attention site.  The rewritten graphs run eagerly (no Inductor
-    compile), so this is quick; the decisions are the ones ``backend="fp4attn"`` makes.
-    Resets Dynamo's caches, as ``torch._dynamo.explain`` does (``tuning.run_once``)."""
+    and report every attention site, the graph breaks and, if tracing fails, why (reported,
+    not raised).  The rewritten graphs run eagerly (no Inductor compile), so this is quick;
+    the decisions are the ones ``backend="fp4attn"`` makes.  Resets Dynamo's caches, as
+    ``torch._dynamo.explain`` does (``tuning.run_once``)."""
     options = config.current().replace(policy=policy, fmt=fmt)
     records: list[SiteRecord] = []
+    graphs = []
 
     def recording_backend(gm, example_inputs):
+        graphs.append(gm)
         records.extend(rewrite(gm, options))
         return gm.forward
 
-    run_once(model_or_fn, recording_backend, *args, **kwargs)
-    return Report(records)
+    counters = torch._dynamo.utils.counters
+    counters["graph_break"].clear()
+    error = None
+    try:
+        run_once(model_or_fn, recording_backend, *args, **kwargs)
+    except Exception as err:  # reported: explain is how a user finds out why
+        error = _summary(err)
+    breaks = [reason.strip().splitlines()[0] for reason in counters["graph_break"]]
+    return Report(records, graphs=len(graphs), graph_breaks=breaks, error=error)
+
+
+def _summary(err: Exception) -> str:
+    """The first line of an error and, for Dynamo's, the line that explains it."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    picked = lines[:1] + [line for line in lines[1:] if line.startswith("Explanation:")][:1]
+    return f"{type(err).__name__}: {' '.join(picked)}"[:600]

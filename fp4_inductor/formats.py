@@ -214,13 +214,23 @@ def quantize_v(v: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
     vf = v.float()
     if fmt == "fp4":
         vf = mxfp4_round(vf)
-        amax = vf.abs().amax(dim=(-2, -1))
+    amax = finite_amax(vf, dim=(-2, -1))
+    if fmt == "fp4":
         exp = torch.where(amax > 0, torch.ceil(torch.log2(amax / 6.0)), torch.zeros_like(amax))
         scale = torch.exp2(exp)  # container holds at most 6: exact E2M1 times 2**k
     else:
-        scale = _amax_scale(vf.abs().amax(dim=(-2, -1)), E4M3_MAX)
+        scale = _amax_scale(amax, E4M3_MAX)
     codes = _cast(_per_scale(vf, scale[..., None, None]), E4M3, E4M3_MAX)
+    codes = torch.where(torch.isfinite(vf), codes, torch.full((), math.nan, dtype=E4M3))
     return codes.transpose(-1, -2).contiguous(), scale
+
+
+def finite_amax(x: torch.Tensor, dim) -> torch.Tensor:
+    """The largest finite |x| (0 where none).  V's scale spans a whole head: an Inf or NaN
+    in it would poison every column of the head, where eager's is non-finite in one
+    column only; the element itself becomes V's NaN code, which makes exactly that column
+    of the output NaN (eager: Inf or NaN there)."""
+    return torch.where(torch.isfinite(x), x.abs(), 0.0).amax(dim=dim)
 
 
 def quantize_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale, fmt: str):
@@ -243,11 +253,12 @@ def mxfp4_round(x: torch.Tensor) -> torch.Tensor:
     """MXFP4 values of ``[..., N, D]``: blocks of 32 tokens per channel share an E8M0
     exponent chosen so the block maximum is at most 6."""
     xb, n = _block_view(x, FP4_BLOCK)
-    amax = xb.abs().amax(dim=-2, keepdim=True)
+    amax = finite_amax(xb, dim=-2).unsqueeze(-2)
     exp = torch.where(amax > 0, torch.ceil(torch.log2(amax / 6.0)), torch.zeros_like(amax))
     scale = torch.exp2(exp)
     q = torch.sign(xb) * e2m1_round(xb.abs() / scale)
-    return (q * scale).flatten(-3, -2)[..., :n, :]
+    q = torch.where(torch.isfinite(xb), q * scale, xb)  # a non-finite value stays itself
+    return q.flatten(-3, -2)[..., :n, :]
 
 
 def quantize_do(do: torch.Tensor, lse: torch.Tensor, row_ref: torch.Tensor, p_mode: str

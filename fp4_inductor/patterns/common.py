@@ -166,7 +166,9 @@ def module_path(node: fx.Node) -> str:
     path = re.sub(r"^[LG]\['[^']*'\](\[\d+\])?", "", path)
     path = re.sub(r"\[['\"]?([^'\"\]]+)['\"]?\]", r".\1", path)
     path = re.sub(r"^(\.?_modules\.|\.)", "", path)
-    return path.replace("._modules.", ".").strip(".")
+    # diffusers' blocks reach Dynamo through an instance __dict__ (transformer_blocks.0.attn)
+    path = path.replace("._modules.", ".").replace("__dict__.", "").replace(".__dict__", "")
+    return path.strip(".")
 
 
 # masked_fill / where fills at or below this are treated as "masked out".

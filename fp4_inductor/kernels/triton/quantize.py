@@ -85,10 +85,10 @@ def _kv_stats(K, V, KSUM, VMAX, HKV, N, CHUNK,
         k_sum += tl.sum(_load_rows(K, b, h, rows, N, stride_kb, stride_kh, stride_kn, stride_kd, D_QK, HEAD_DIM),
                         axis=0)
         v = _load_rows(V, b, h, rows, N, stride_vb, stride_vh, stride_vn, stride_vd, D_V, HEAD_DIM_V)
-        v_max = tl.maximum(v_max, tl.abs(v), propagate_nan=tl.PropagateNan.ALL)
+        v_max = tl.maximum(v_max, tl.where(tl.abs(v) < float("inf"), tl.abs(v), 0.0))  # formats.finite_amax
     partial = bh * tl.num_programs(1) + chunk
     tl.store(KSUM + partial * HEAD_DIM + tl.arange(0, HEAD_DIM), k_sum)
-    tl.store(VMAX + partial, tl.reduce(v_max, None, max_propagate_nan))
+    tl.store(VMAX + partial, tl.max(tl.max(v_max, 1), 0))
 
 
 @triton.jit
@@ -166,11 +166,15 @@ def _v_rows(pid, V, VT, VS, VMAX, HKV, NK, N_CHUNKS, stride_vb, stride_vh, strid
     scale = _amax_scale(amax, 448.0)
     v = _load_rows(V, b, h, rows, NK, stride_vb, stride_vh, stride_vn, stride_vd, D, HEAD_DIM)
     v8 = tl.clamp(_per_scale(v, scale[:, None]), -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
+    v8 = tl.where(tl.abs(v) < float("inf"), v8, float("nan"))  # Inf and NaN become V's NaN code
     # K-major store: the tile goes out transposed, tokens contiguous.
     v_index = bh.to(tl.int64) * D * NK + tl.arange(0, HEAD_DIM)[None, :].to(tl.int64) * NK + rows[:, None]
-    if EMULATE:
-        v8 = e4m3_round(v8)  # the interpreter's float8 casts do not round to nearest even
-    tl.store(VT + v_index, v8.to(tl.float8e4nv), mask=_in_bounds(rows, NK, D, HEAD_DIM))
+    if EMULATE:  # the interpreter's float8 casts neither round to nearest even nor keep NaN
+        bits = e4m3_round(v8).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        v8 = tl.where(v8 == v8, bits, 0x7F).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+    else:
+        v8 = v8.to(tl.float8e4nv)
+    tl.store(VT + v_index, v8, mask=_in_bounds(rows, NK, D, HEAD_DIM))
     tl.store(VS + bh + tl.zeros([1], tl.int32), scale, mask=(tl.zeros([1], tl.int32) + tile) == 0)
 
 

@@ -1,0 +1,149 @@
+"""The bad-input grid: inputs users do pass, each either matching eager within the format's
+error (non-finite pattern included) or falling back with a reason; none crashes.  On the
+CPU (reference path, policy="always")."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fp4_inductor
+from helpers import cosine, op_calls
+
+
+def _sdpa(q, k, v, **kw):
+    return F.scaled_dot_product_attention(q, k, v, **kw)
+
+
+def _compiled(fn, *args, **kw):
+    torch._dynamo.reset()
+    with fp4_inductor.configure(policy="always"):
+        return op_calls(torch.compile(lambda *a: fn(*a, **kw), backend="fp4attn"), *args)
+
+
+def _matches(fn, *args, cos=0.99, **kw):
+    """Through our ops (one call), finite where eager is finite and close there."""
+    ref = fn(*args, **kw)
+    out, calls = _compiled(fn, *args, **kw)
+    assert calls["fwd"] == 1, "did not run our op"
+    finite = ref.isfinite()
+    assert torch.equal(out.isfinite(), finite), "non-finite elements differ from eager's"
+    if finite.any():
+        assert cosine(out[finite], ref[finite]) >= cos
+    return out, ref
+
+
+def _qkv(b=2, h=4, nq=64, nk=64, d=32, hkv=None, dtype=torch.float32):
+    hkv = hkv or h
+    return torch.randn(b, h, nq, d, dtype=dtype), torch.randn(b, hkv, nk, d, dtype=dtype), \
+        torch.randn(b, hkv, nk, d, dtype=dtype)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
+@pytest.mark.parametrize("where", ["q", "v"])
+def test_non_finite_in_q_or_v_matches_eager_pattern(where, bad):
+    """Q's scale is per token and V's amax skips non-finite values: eager's pattern exactly
+    (a row for Q, a column for V)."""
+    q, k, v = _qkv()
+    {"q": q, "v": v}[where][1, 2, 9, 5] = bad
+    _matches(_sdpa, q, k, v)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_non_finite_in_k_is_never_hidden(bad):
+    """K is INT8 with a mean over tokens and a scale per 128 keys: a non-finite key poisons
+    its head (eager: about half its rows for Inf, every row for NaN).  Never finite where
+    eager is not."""
+    q, k, v = _qkv()
+    k[1, 2, 9, 5] = bad
+    ref = _sdpa(q, k, v)
+    out, calls = _compiled(_sdpa, q, k, v)
+    assert calls["fwd"] == 1
+    assert not (out.isfinite() & ~ref.isfinite()).any()
+    others = torch.ones(2, 4, dtype=torch.bool)
+    others[1, 2] = False
+    assert out[others].isfinite().all()  # other heads untouched
+
+
+def test_large_scores():
+    """Scores of 1e4 and more: the row reference keeps codes in range, nothing overflows.
+    The softmax is then nearly one-hot, and the INT8 scores' error (~0.4 % of |s|, some 40
+    here) can pick another key where a row's top two are that close: a looser cosine."""
+    q, k, v = _qkv()
+    q, k = q * 30, k * 30  # |s| up to ~1e4 after the 1/sqrt(d) scale
+    _matches(_sdpa, q, k, v, cos=0.95)
+
+
+@pytest.mark.parametrize("n", [1, 7, 113, 203, 1023])
+def test_lengths(n):
+    _matches(_sdpa, *_qkv(b=1, h=2, nq=n, nk=n), is_causal=True)
+
+
+def test_causal_with_fewer_queries_than_keys():
+    _matches(_sdpa, *_qkv(nq=17, nk=70), is_causal=True)
+
+
+@pytest.mark.parametrize("layout", ["transposed", "expanded", "sliced"])
+def test_views(layout):
+    q, k, v = _qkv()
+    if layout == "transposed":
+        q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+    elif layout == "expanded":
+        k, v = k[:, :1].expand(-1, 4, -1, -1), v[:, :1].expand(-1, 4, -1, -1)
+    else:
+        q, k, v = (t[..., ::2, :] for t in (q, k, v))
+    _matches(_sdpa, q, k, v)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_dtypes(dtype):
+    out, ref = _matches(_sdpa, *_qkv(dtype=dtype), is_causal=True)
+    assert out.dtype == dtype
+
+
+MASK_SHAPES = [(64, 64), (2, 1, 1, 64), (2, 4, 64, 64), (1, 4, 1, 64), (2, 1, 64, 64)]
+
+
+@pytest.mark.parametrize("kind", ["bool", "float"])
+@pytest.mark.parametrize("shape", MASK_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_every_mask_shape_sdpa_takes(shape, kind):
+    q, k, v = _qkv()
+    keep = torch.rand(shape) > 0.3
+    mask = keep if kind == "bool" else torch.where(keep, torch.randn(shape), float("-inf"))
+    _matches(_sdpa, q, k, v, attn_mask=mask)
+
+
+def test_mask_that_does_not_broadcast_is_reported_not_raised():
+    """Eager raises for it, and so does the compiled call; explain reports the failed trace."""
+    q, k, v = _qkv()
+    mask = torch.zeros(3, 1, 64, 64)
+    report = fp4_inductor.explain(lambda q, k, v: _sdpa(q, k, v, attn_mask=mask), q, k, v, policy="always")
+    assert not report.sites and "broadcast" in report.error and "tracing failed" in str(report)
+    with pytest.raises(RuntimeError):
+        _sdpa(q, k, v, attn_mask=mask)
+    with pytest.raises(Exception, match="broadcast"):
+        _compiled(_sdpa, q, k, v, attn_mask=mask)
+
+
+def test_mask_or_scale_that_requires_grad_falls_back():
+    q, k, v = (t.requires_grad_() for t in _qkv())
+    bias = torch.randn(1, 1, 64, 64, requires_grad=True)
+    report = fp4_inductor.explain(lambda q, k, v: _sdpa(q, k, v, attn_mask=bias), q, k, v, policy="always")
+    assert report.sites[0].path == "bf16" and "requires grad" in report.sites[0].reason
+
+
+def test_dropout_in_training_falls_back():
+    q, k, v = (t.requires_grad_() for t in _qkv())
+    report = fp4_inductor.explain(lambda q, k, v: _sdpa(q, k, v, dropout_p=0.1), q, k, v, policy="always")
+    assert report.sites[0].path == "bf16" and "dropout" in report.sites[0].reason
+
+
+@pytest.mark.parametrize("enable_gqa", [True, False])
+def test_gqa(enable_gqa):
+    q, k, v = _qkv(hkv=2)
+    if enable_gqa:
+        _matches(_sdpa, q, k, v, enable_gqa=True)
+    else:  # eager refuses unequal heads without enable_gqa; explain says so
+        with pytest.raises(RuntimeError):
+            _sdpa(q, k, v)
+        report = fp4_inductor.explain(lambda q, k, v: _sdpa(q, k, v), q, k, v, policy="always")
+        assert not report.sites and report.error is not None
