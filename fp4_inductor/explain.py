@@ -32,6 +32,8 @@ class Report:
     def _no_sites(self) -> str:
         if self.error is not None:
             return f"fp4attn: tracing failed, so no site could be examined: {self.error}"
+        if self.graphs == 0 and self.graph_breaks:
+            return "fp4attn: Dynamo captured no graph with attention in it: its graph breaks (below) left it outside"
         if self.graphs == 0:
             return ("fp4attn: Dynamo captured no graph (the frame was skipped: torch.compiler.disable, "
                     "a skipped module, or nothing to trace), so no attention was seen")

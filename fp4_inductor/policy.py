@@ -25,6 +25,7 @@ from .config import Options
 from .formats import HEAD_DIM_STEP, MAX_HEAD_DIM, MIN_HEAD_DIM, supported_head_dim
 from .kernels import has_forward_kernel
 from .patterns.common import Site, value
+from .patterns.encoder import fast_path_mask, is_fast_path
 from .patterns.mha import mha_args
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -96,6 +97,8 @@ def _mask_nodes(site: Site, dense: bool = False) -> list:
     """The site's masks (None where absent); with ``dense``, only those read per score
     (not the key-padding vector its structure holds)."""
     if site.kind == "mha":  # its masks stay arguments of the call (MHA's own conventions)
+        if is_fast_path(site.anchor):
+            return [fast_path_mask(site.anchor)]
         args = mha_args(site.anchor)
         return [args["attn_mask"], args["key_padding_mask"]]
     pad = site.structure.key_padding if site.structure is not None and not dense else None

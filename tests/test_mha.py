@@ -146,3 +146,48 @@ def test_multihead_attention_mask_that_requires_grad_falls_back():
     with torch.no_grad():  # nothing trains: the learned mask is only a value
         report = fp4_inductor.explain(attend, x, policy="always")
     assert [s.path for s in report.sites] == ["fp8"]
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+@pytest.mark.parametrize("padded", [False, True])
+def test_encoder_fast_path_in_eval(norm_first, padded):
+    """nn.TransformerEncoder in eval under no_grad runs PyTorch's fused layer
+    (torch._transformer_encoder_layer_fwd): its attention runs our ops, key padding too."""
+    layer = torch.nn.TransformerEncoderLayer(128, 4, 256, batch_first=True, dropout=0.0, norm_first=norm_first,
+                                             activation="gelu" if norm_first else "relu")
+    encoder = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).eval()
+    x = torch.randn(2, 40, 128)
+    pad = torch.zeros(2, 40, dtype=torch.bool)
+    pad[1, 30:] = padded
+    kwargs = {"src_key_padding_mask": pad} if padded else {}
+    with torch.no_grad():
+        ref = encoder(x, **kwargs)
+        with fp4_inductor.configure(policy="always"):
+            out, calls = op_calls(torch.compile(encoder, backend="fp4attn"), x, **kwargs)
+    assert calls["fwd"] == 2
+    assert cosine(out[~pad], ref[~pad]) > 0.999
+
+
+def test_native_multihead_attention_fast_path():
+    mha = torch.nn.MultiheadAttention(128, 4, batch_first=True).eval()
+    x = torch.randn(2, 40, 128)
+    with torch.no_grad():
+        ref = mha(x, x, x, need_weights=False)[0]
+        with fp4_inductor.configure(policy="always"):
+            out, calls = op_calls(torch.compile(lambda x: mha(x, x, x, need_weights=False)[0], backend="fp4attn"), x)
+    assert calls["fwd"] == 1 and cosine(out, ref) > 0.99
+
+
+def test_explain_says_why_no_site_was_found():
+    """A graph break before attention, a frame Dynamo skips, and a graph with no attention
+    each get their own explanation."""
+    layer = torch.nn.TransformerEncoderLayer(128, 4, 256, batch_first=True, dropout=0.0)
+    encoder = torch.nn.TransformerEncoder(layer, 1, enable_nested_tensor=False).eval()
+    x = torch.randn(2, 16, 128)
+    with torch.no_grad():  # the causal-mask check calls .item(): a graph break
+        text = str(fp4_inductor.explain(encoder, x, mask=torch.nn.Transformer.generate_square_subsequent_mask(16),
+                                        policy="always"))
+    assert "graph break" in text and "item()" in text
+    skipped = torch.compiler.disable(lambda x: torch.nn.functional.scaled_dot_product_attention(x, x, x))
+    assert "captured no graph" in str(fp4_inductor.explain(lambda x: skipped(x), torch.randn(1, 2, 8, 32)))
+    assert "no attention sites found in 1 graph" in str(fp4_inductor.explain(lambda x: x.sin() * 2, torch.randn(3)))

@@ -16,11 +16,12 @@ import torch.fx as fx
 from ..attention import combine_masks, lowp_attention
 from .common import Site, kind, value
 from .masks import erase_dead, materialize
+from .encoder import is_fast_path, match_fast_path, replace_fast_path
 from .mha import match_mha, replace_mha
 from .sdpa import match_sdpa
 from .softmax import match_softmax
 
-MATCHERS = (match_sdpa, match_softmax, match_mha)
+MATCHERS = (match_sdpa, match_softmax, match_mha, match_fast_path)
 
 
 def graph_modules(gm: fx.GraphModule) -> list[fx.GraphModule]:
@@ -60,6 +61,8 @@ def replace_site(graph: fx.Graph, site: Site, fmt: str, p_mode: str | None, targ
                  min_keys: int | None = None) -> fx.Node:
     """Call ``target`` (``lowp_attention``'s signature; tuning passes a probe) in place of the site."""
     if site.kind == "mha":
+        if is_fast_path(site.anchor):
+            return replace_fast_path(graph, site, fmt, p_mode, min_keys)
         return replace_mha(graph, site, fmt, p_mode, min_keys)
     anchor = site.anchor
     keep_masks, drop_masks = tuple(m for m, _ in site.keep_masks), tuple(m for m, _ in site.drop_masks)
