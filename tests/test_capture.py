@@ -284,3 +284,40 @@ def test_inductor_options_are_applied(monkeypatch):
     with torch.no_grad():
         torch.compile(module, backend=fp4_inductor.backend(policy="always"), options={"epilogue_fusion": False})(torch.randn(B, N, C))
     assert seen[0] == {"epilogue_fusion": False}
+
+
+def test_exported_program_is_rewritten():
+    """torch.compile of an exported module: its graph holds aten.scaled_dot_product_attention."""
+
+    class Attend(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = torch.nn.Linear(64, 192)
+
+        def forward(self, x):
+            q, k, v = self.qkv(x).view(2, 40, 3, 2, 32).permute(2, 0, 3, 1, 4)
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    module = Attend().eval()
+    x = torch.randn(2, 40, 64)
+    exported = torch.export.export(module, (x,)).module()
+    with torch.no_grad():
+        ref = module(x)
+        with fp4_inductor.configure(policy="always"):
+            out, calls = op_calls(torch.compile(exported, backend="fp4attn"), x)
+    assert calls["fwd"] == 1
+    assert cosine(out, ref) > 0.99
+
+
+def test_sdpa_backend_op_is_rewritten():
+    """An aten-level graph calling a backend op (_scaled_dot_product_flash_attention_for_cpu
+    here; flash/efficient/cuDNN on CUDA) whose output alone is used."""
+
+    def attend(q, k, v):
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)[0]
+
+    q, k, v = (torch.randn(2, 2, 40, 32) for _ in range(3))
+    with torch.no_grad(), fp4_inductor.configure(policy="always"):
+        out, calls = op_calls(torch.compile(attend, backend="fp4attn"), q, k, v)
+    assert calls["fwd"] == 1
+    assert cosine(out, attend(q, k, v)) > 0.99

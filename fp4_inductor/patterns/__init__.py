@@ -18,10 +18,10 @@ from .common import Site, kind, value
 from .masks import erase_dead, materialize
 from .encoder import is_fast_path, match_fast_path, replace_fast_path
 from .mha import match_mha, replace_mha
-from .sdpa import match_sdpa
+from .sdpa import match_sdpa, match_sdpa_backend
 from .softmax import match_softmax
 
-MATCHERS = (match_sdpa, match_softmax, match_mha, match_fast_path)
+MATCHERS = (match_sdpa, match_sdpa_backend, match_softmax, match_mha, match_fast_path)
 
 
 def graph_modules(gm: fx.GraphModule) -> list[fx.GraphModule]:

@@ -38,6 +38,13 @@ _FUNCTION_KINDS = {
     torch.where: "where",
     torch.masked_fill: "masked_fill",
     F.scaled_dot_product_attention: "sdpa",
+    # aten-level graphs (exported programs, or aten calls in user code): overloads and packets
+    **{op: k for packet, k in ((torch.ops.aten.scaled_dot_product_attention, "sdpa"),
+                               (torch.ops.aten._scaled_dot_product_flash_attention, "sdpa_backend"),
+                               (torch.ops.aten._scaled_dot_product_flash_attention_for_cpu, "sdpa_backend"),
+                               (torch.ops.aten._scaled_dot_product_efficient_attention, "sdpa_backend"),
+                               (torch.ops.aten._scaled_dot_product_cudnn_attention, "sdpa_backend"))
+       for op in (packet, packet.default)},
     torch.repeat_interleave: "repeat_interleave",
     torch.reshape: "reshape",
     operator.getitem: "getitem",
