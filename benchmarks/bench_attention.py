@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import math
 import os
 import signal
@@ -44,7 +43,7 @@ from fp4_inductor.kernels.gluon import attention_fwd as G  # noqa: E402
 from fp4_inductor.kernels.triton import attention_fwd as A  # noqa: E402
 
 MODES = ("direct", "exp", "fp4")
-NOT_INSTALLED = "not installed"
+NOT_INSTALLED = C.NOT_INSTALLED
 
 
 # ------------------------------------------------------------------ ours
@@ -201,19 +200,15 @@ def run(ns, ds, out_json, out_png):
            "results": results}
     items = [(d, n, causal) for d in ds for n in ns for causal in (False, True)]
     bar = tqdm(total=len(items) * len(table), desc="forward", unit="run", mininterval=10)
-    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGTERM, C.stop)
     try:
         _measure(items, table, results, bar, doc, out_json, triton)
     except KeyboardInterrupt:
         print("\nstopped early: writing what was measured", flush=True)
     bar.close()
-    save(doc, out_json)
+    C.save(doc, out_json)
     plot(doc, out_png)
     print_table(doc)
-
-
-def _stop(signum, frame):
-    raise KeyboardInterrupt
 
 
 def _measure(items, table, results, bar, doc, out_json, triton):
@@ -240,13 +235,7 @@ def _measure(items, table, results, bar, doc, out_json, triton):
             bar.update(1)
         del q, k, v, ref
         torch.cuda.empty_cache()
-        save(doc, out_json)  # after every shape, so a cut-short run still leaves its numbers
-
-
-def save(doc, path):
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(doc, f, indent=1)
+        C.save(doc, out_json)  # after every shape, so a cut-short run still leaves its numbers
 
 
 def print_table(doc):

@@ -32,7 +32,6 @@ import traceback
 
 import torch
 
-import bench_attention as BA
 import common as C
 
 from fp4_inductor import formats as F
@@ -95,7 +94,7 @@ def _fa4(causal):
     try:
         from flash_attn.cute import flash_attn_func
     except ImportError:
-        return BA.NOT_INSTALLED
+        return C.NOT_INSTALLED
 
     def attend(q, k, v):  # FA4 takes [B, N, H, D]
         o = flash_attn_func(*(t.transpose(1, 2) for t in (q, k, v)), causal=causal)
@@ -117,7 +116,7 @@ def _cudnn_fp8(causal):
     try:
         import cudnn
     except ImportError:
-        return BA.NOT_INSTALLED
+        return C.NOT_INSTALLED
     e4m3, f32 = cudnn.data_type.FP8_E4M3, cudnn.data_type.FLOAT
 
     def new_graph():
@@ -223,15 +222,15 @@ def run(ns, ds, causal, out_json, out_png):
     table = methods(causal)
     items = [(d, n) for d in ds for n in ns]
     bar = tqdm(total=len(items) * len(table), desc="training", unit="run", mininterval=10)
-    signal.signal(signal.SIGTERM, BA._stop)
+    signal.signal(signal.SIGTERM, C.stop)
     try:
         for d, n in items:
             _measure_shape(d, n, causal, table, doc, bar, triton)
-            BA.save(doc, out_json)
+            C.save(doc, out_json)
     except KeyboardInterrupt:
         print("\nstopped early: writing what was measured", flush=True)
     bar.close()
-    BA.save(doc, out_json)
+    C.save(doc, out_json)
     plot(doc, out_png)
     print_table(doc)
 
@@ -248,7 +247,7 @@ def _measure_shape(d, n, causal, table, doc, bar, triton):
     for name, setup in table.items():
         rows = [dict(method=name, d=d, n=n, b=b, h=h, causal=causal, **{"pass": p}) for p in PASSES]
         try:
-            if setup == BA.NOT_INSTALLED:
+            if setup == C.NOT_INSTALLED:
                 for row in rows:
                     row["status"] = setup
             else:

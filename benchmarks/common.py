@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import datetime
+import json
 import multiprocessing
 import os
 import platform
@@ -17,6 +18,20 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from fp4_inductor import formats as F  # noqa: E402
+
+# A peer whose package is missing: recorded in the results, not an error.
+NOT_INSTALLED = "not installed"
+
+
+def stop(signum, frame):
+    """SIGTERM handler: stop like Ctrl-C, so what was measured is saved."""
+    raise KeyboardInterrupt
+
+
+def save(doc, path):
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
 
 
 def attention_flops(b: int, h: int, nq: int, nk: int, d: int, causal: bool) -> float:

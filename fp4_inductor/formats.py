@@ -58,7 +58,7 @@ E2M1_BOUNDARIES = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 # per key and query step (``ds_block_dk``).  A line's amax stays within the four threads
 # that hold a row of a wgmma tile, where a whole tile's crossed the warpgroup's four warps
 # through shared memory and two barriers a step; the gradient error is slightly lower
-# than with whole tiles (benchmarks/grad_error_budget.py).
+# than with whole tiles (benchmarks/lab/grad_error_budget.py).
 DS_BLOCK_DQ = (1, 128)
 
 

@@ -316,7 +316,8 @@ def erase_dead(nodes) -> None:
     pending, erased = list(nodes), set()
     while pending:
         node = pending.pop()
-        if node in erased or node.users or node.op not in ("call_function", "call_method"):
+        # _erased: another site sharing the mask erased it already
+        if node in erased or node._erased or node.users or node.op not in ("call_function", "call_method"):
             continue
         pure = node.target in _PURE_METHODS if node.op == "call_method" else _hashable_in(node.target,
                                                                                         _PURE_FUNCTIONS)

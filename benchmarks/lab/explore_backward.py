@@ -29,7 +29,7 @@ import sys
 import torch
 from triton.testing import do_bench
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: common
 import common as C  # noqa: E402
 
 from fp4_inductor import kernels, ops  # noqa: E402

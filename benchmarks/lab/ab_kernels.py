@@ -21,12 +21,12 @@ import subprocess
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: common
 import common as C  # noqa: E402
 
 
 def run_tree(tree, script, ns, ds, out_dir):
-    cmd = [sys.executable, os.path.join(tree, "benchmarks", f"explore_{script}.py"), "--kernel-only",
+    cmd = [sys.executable, os.path.join(tree, "benchmarks", "lab", f"explore_{script}.py"), "--kernel-only",
            "--ns", *map(str, ns), "--ds", *map(str, ds), "--out-dir", out_dir]
     subprocess.run(cmd, check=True, env=dict(os.environ, PYTHONPATH=os.path.abspath(tree)))
     with open(os.path.join(out_dir, f"explore_{script}_kernels.json")) as f:

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 from triton.testing import do_bench
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: common
 import common as C  # noqa: E402
 
 BLOCK_KEYS, BLOCK_Q = 128, 64
