@@ -227,7 +227,7 @@ def measure(point: Point, args, progress) -> dict:
         row["auto_picks"] = f"{type(err).__name__}: {err}"[:300]
     steps = {}
     torch._dynamo.reset()  # once: each backend's frames are cached apart and must stay compiled
-    for backend in BACKENDS:
+    for backend in args.backends:
         compiled = _compiled(model, backend)
         fn = _step_fn(model, compiled, point, inputs)
         try:
@@ -289,6 +289,8 @@ def main():
     ap.add_argument("--train-seqs", type=int, nargs="*", default=[4096, 8192, 16384])
     ap.add_argument("--train-layers", type=int, default=32, help="Llama layers in training (as many as fit)")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--backends", nargs="*", default=list(BACKENDS), choices=BACKENDS,
+                    help="inductor is the baseline every ratio is against")
     ap.add_argument("--tiny", action="store_true", help="tiny configs (tests, CPU)")
     ap.add_argument("--out", default=None, help="JSON path (default: results/model_<device>.json)")
     args = ap.parse_args()
@@ -308,7 +310,7 @@ def main():
     env = environment()
     device = env.get("device", "cpu")
     rows = []
-    with tqdm(total=len(points) * len(BACKENDS), desc="bench_model") as progress:
+    with tqdm(total=len(points) * len(args.backends), desc="bench_model") as progress:
         for point in points:
             rows.append(measure(point, args, progress))
     out = args.out or os.path.join(RESULTS, f"model_{device.lower().replace(' ', '_')}.json")

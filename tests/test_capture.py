@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import fp4_inductor
+from fp4_inductor.compiler import SourceIdentity
 from attention_variants import (B, CAPTURED, TRAPS, C, N, DropoutEval, SdpaDropoutEval, SoftmaxOverQueries,
                                 extra_inputs)
 from helpers import cosine, op_calls
@@ -283,7 +284,8 @@ def test_inductor_options_are_applied(monkeypatch):
     module = CAPTURED[0]().eval()
     with torch.no_grad():
         torch.compile(module, backend=fp4_inductor.backend(policy="always"), options={"epilogue_fusion": False})(torch.randn(B, N, C))
-    assert seen[0] == {"epilogue_fusion": False}
+    assert {k: v for k, v in seen[0].items() if k != "post_grad_custom_pre_pass"} == {"epilogue_fusion": False}
+    assert isinstance(seen[0]["post_grad_custom_pre_pass"], SourceIdentity)  # the cache's key on our sources
 
 
 def test_exported_program_is_rewritten():

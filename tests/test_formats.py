@@ -102,7 +102,8 @@ def test_int8_q_per_token_scale_and_rounding():
 def test_int8_k_is_smoothed_with_one_scale_per_block():
     k = torch.randn(2, 2, 300, 64) + 5.0 * torch.randn(1, 1, 1, 64)  # channel bias
     k8, scale = F.quantize_k(k)
-    assert scale.shape == (2, 2, 3)
+    assert scale.shape == (2, 2, F.scale_blocks(300)) == (2, 2, 4)  # three blocks and the spare
+    assert bool((scale[..., -1] == 1).all())
     smoothed = k - k.mean(dim=-2, keepdim=True)
     err = (F.dequantize_k(k8, scale) - smoothed).abs()
     assert bool((err <= F.expand_block_scale(scale, 300)[..., None] / 2 * (1 + 1e-4)).all())  # half a step, plus float32 rounding of x / scale
@@ -134,7 +135,8 @@ def test_saturation_and_nan_propagation_in_casts():
     x = torch.randn(1, 1, 128, 64)
     x[0, 0, 3, 5] = float("nan")
     codes, scale = F.quantize_blockwise(x)
-    assert torch.isnan(scale).all()  # a NaN block's scale is NaN: the NaN reaches the output
+    assert torch.isnan(scale[..., 0]).all()  # a NaN block's scale is NaN: the NaN reaches the output
+    assert bool((scale[..., 1] == 1).all())  # the spare block (formats.scale_blocks)
     big = torch.full((1, 1, 4, 64), 1e30)
     codes, scale = F.quantize_blockwise(big, F.E5M2)
     assert torch.isfinite(codes.float()).all() and codes.float().amax().item() == F.E5M2_MAX

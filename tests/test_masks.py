@@ -59,7 +59,7 @@ def test_hf_attention_mask_reaches_the_op_as_structure(name, attn, padded):
     assert not out.logits.isnan().any()
 
 
-@pytest.mark.parametrize("name", ["llama", "mistral"])
+@pytest.mark.parametrize("name", ["mistral"])  # its sliding window; Llama's masks are the causal subset
 def test_hf_training_with_gradient_checkpointing(name):
     model = _causal_lm(name, "sdpa").train()
     ids, mask = _batch(True)

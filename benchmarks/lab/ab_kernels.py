@@ -45,7 +45,7 @@ def main():
     ap.add_argument("--passes", type=int, default=2)
     ap.add_argument("--ns", type=int, nargs="+", default=[4096, 16384])
     ap.add_argument("--ds", type=int, nargs="+", default=[128, 64])
-    ap.add_argument("--out-dir", default=C.RESULTS)
+    ap.add_argument("--out-dir", default=os.path.join(C.RESULTS, "lab"))
     args = ap.parse_args()
     script = "forward" if args.forward else "backward"
     runs = {tree: [] for tree in args.trees}

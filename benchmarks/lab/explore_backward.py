@@ -69,7 +69,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ns", type=int, nargs="+", default=[4096])
     ap.add_argument("--ds", type=int, nargs="+", default=[128, 64])
-    ap.add_argument("--out-dir", default=C.RESULTS)
+    ap.add_argument("--out-dir", default=os.path.join(C.RESULTS, "lab"))
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--ncu", action="store_true", help="only launch the backward kernels, twice per shape")
     mode.add_argument("--kernel-only", action="store_true", help="only time what backward_kernel runs")

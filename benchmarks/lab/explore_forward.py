@@ -221,7 +221,7 @@ def main():
     ap.add_argument("--kernel-only", action="store_true", help="only time what the fwd op runs")
     ap.add_argument("--ns", type=int, nargs="+", default=[4096, 16384], help="with --kernel-only")
     ap.add_argument("--ds", type=int, nargs="+", default=[128, 64], help="with --kernel-only")
-    ap.add_argument("--out-dir", default=C.RESULTS)
+    ap.add_argument("--out-dir", default=os.path.join(C.RESULTS, "lab"))
     args = ap.parse_args()
     if args.kernel_only:
         os.makedirs(args.out_dir, exist_ok=True)

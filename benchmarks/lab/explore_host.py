@@ -69,7 +69,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ns", type=int, nargs="+", default=[512, 1024, 4096])
     ap.add_argument("--ds", type=int, nargs="+", default=[128])
-    ap.add_argument("--out-dir", default=C.RESULTS)
+    ap.add_argument("--out-dir", default=os.path.join(C.RESULTS, "lab"))
     args = ap.parse_args()
     result = {"env": C.environment(), "rows": []}
     compiled = torch.compile(attend, fullgraph=True, dynamic=False)

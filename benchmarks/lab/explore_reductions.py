@@ -73,7 +73,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ns", type=int, nargs="+", default=[4096, 16384])
     ap.add_argument("--ds", type=int, nargs="+", default=[128, 64])
-    ap.add_argument("--out-dir", default=C.RESULTS)
+    ap.add_argument("--out-dir", default=os.path.join(C.RESULTS, "lab"))
     args = ap.parse_args()
     result = {"env": C.environment(), "rows": []}
     for d in args.ds:

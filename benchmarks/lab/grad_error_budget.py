@@ -95,7 +95,7 @@ def main():
     ap.add_argument("--n", type=int, default=2048)
     ap.add_argument("--d", type=int, nargs="+", default=[64, 128])
     ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--out-dir", default=C.RESULTS)
+    ap.add_argument("--out-dir", default=os.path.join(C.RESULTS, "lab"))
     args = ap.parse_args()
     assert args.n % 128 == 0, "the per-128-row variants take whole blocks"
     rows = []
