@@ -3,7 +3,7 @@ default, on unmodified models (random init, nothing downloaded).
 
     python benchmarks/bench_model.py                        # every workload, full configs (an H200)
     python benchmarks/bench_model.py --workloads prefill --seqs 4096 16384 --layers 8
-    python benchmarks/bench_model.py --tiny                 # tiny configs on any device (the CPU test)
+    python benchmarks/bench_model.py --tiny                 # tiny configs, one variant each (the CPU test)
 
 Workloads: ``prefill`` (HF ``LlamaForCausalLM`` with the Llama-3.1-8B configuration, B*S
 tokens at each S, with the ``attention_mask`` that ``generate()`` passes and without one),
@@ -88,7 +88,8 @@ def llama_points(args, train: bool) -> list[Point]:
     points = []
     for s in args.seqs if not train else args.train_seqs:
         b = 1 if train else max(args.tokens // s, 1)
-        for masked in ((False,) if train else (False, True)):
+        # tiny: one variant per workload (masked prefill, checkpointed training), for tests
+        for masked in ((False,) if train else (True,) if args.tiny else (False, True)):
             def inputs(b=b, s=s, masked=masked):
                 ids = torch.randint(0, base["vocab_size"], (b, s), device=_device())
                 kwargs = {"input_ids": ids}
@@ -96,7 +97,7 @@ def llama_points(args, train: bool) -> list[Point]:
                     kwargs["attention_mask"] = torch.ones_like(ids)
                 return kwargs
 
-            for ckpt in ((False, True) if train else (False,)):
+            for ckpt in (((True,) if args.tiny else (False, True)) if train else (False,)):
                 label = f"S={s}" + (" mask" if masked else "") + (" ckpt" if ckpt else "")
                 points.append(Point("train" if train else "prefill", label, b * s, make, inputs, train, ckpt))
     return points

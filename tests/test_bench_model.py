@@ -27,8 +27,8 @@ def test_bench_model_tiny(tmp_path):
     assert doc["environment"]["date"] and doc["config"]["tiny"]
     rows = doc["rows"]
     assert {r["workload"] for r in rows} == {"prefill", "train", "wan"}
-    assert {r["point"] for r in rows if r["workload"] == "prefill"} == {"S=32", "S=32 mask"}
-    assert {r["point"] for r in rows if r["workload"] == "train"} == {"S=64", "S=64 ckpt"}
+    assert {r["point"] for r in rows if r["workload"] == "prefill"} == {"S=32 mask"}
+    assert {r["point"] for r in rows if r["workload"] == "train"} == {"S=64 ckpt"}
     for r in rows:
         assert set(r["backends"]) == {"inductor", "fp4attn-auto"}
         for b in r["backends"].values():

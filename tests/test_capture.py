@@ -323,3 +323,41 @@ def test_sdpa_backend_op_is_rewritten():
         out, calls = op_calls(torch.compile(attend, backend="fp4attn"), q, k, v)
     assert calls["fwd"] == 1
     assert cosine(out, attend(q, k, v)) > 0.99
+
+
+@pytest.mark.parametrize("mode", ["reentrant", "non-reentrant", "selective"])
+def test_attention_inside_activation_checkpointing(mode):
+    """torch.utils.checkpoint (both modes, and selective checkpointing): the body graph is
+    rewritten, and the recomputed forward quantizes as the first did (gradients equal to
+    the uncheckpointed compile's)."""
+    import functools
+
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+    layer = torch.nn.Linear(64, 192)
+
+    def attend(x):
+        q, k, v = layer(x).view(2, 48, 3, 2, 32).permute(2, 0, 3, 1, 4)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    def policy(ctx, op, *args, **kwargs):  # keep the matmuls, recompute the rest
+        return CheckpointPolicy.MUST_SAVE if op is torch.ops.aten.mm.default else CheckpointPolicy.PREFER_RECOMPUTE
+
+    kwargs = {"use_reentrant": mode == "reentrant"}
+    if mode == "selective":
+        kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, policy)
+
+    def step(fn, x):
+        layer.zero_grad()
+        fn(x).pow(2).mean().backward()
+        return torch.cat([layer.weight.grad.flatten(), layer.bias.grad.flatten()])
+
+    x = torch.randn(2, 48, 64)
+    with fp4_inductor.configure(policy="always"):
+        plain = step(torch.compile(attend, backend="fp4attn"), x)
+        torch._dynamo.reset()
+        checkpointed, calls = op_calls(step, torch.compile(lambda x: checkpoint(attend, x, **kwargs),
+                                                           backend="fp4attn"), x)
+    assert calls["fwd"] >= 1 and calls["bwd"] == 1
+    assert cosine(checkpointed, plain) >= 0.9999
+    assert cosine(checkpointed, step(attend, x)) >= 0.98

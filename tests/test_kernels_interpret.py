@@ -76,15 +76,12 @@ def test_triton_backward_matches_reference(shape, p_mode, causal, extra, fresh_s
 
 
 FORWARD_CASES = [
-    ((1, 2, 1, 130, 200, 64, None), "direct", True, {}),
     ((2, 2, 2, 70, 300, 72, "keypad"), "direct", False, {}),
     ((1, 2, 1, 300, 130, 32, None), "direct", True, {"diagonal": -170}),
     ((1, 2, 1, 260, 400, 96, None), "direct", True, {"diagonal": 140, "window": 150}),
     ((1, 2, 1, 100, 300, 160, "dense"), "exp", True, {"window": 37}),
     ((1, 2, 1, 450, 450, 64, None), "exp", True, {"window": 256}),  # rows with no visible key in a tile
-    ((1, 2, 1, 300, 130, 64, None), "exp", True, {"diagonal": -170}),
     ((1, 1, 1, 100, 300, 192, None), "fp4", False, {"dv": 128}),
-    ((1, 1, 1, 70, 140, 256, None), "direct", True, {}),
 ]
 
 FORWARD_SCRIPT = """
@@ -246,3 +243,62 @@ def test_gluon_dkdv_row_vectors_follow_the_query_rows_order(nq, fresh_seed):
     for i, v in enumerate((vectors[0] * K.F.LOG2E, K._direct_p_bias.fn(vectors[1]), vectors[2])):
         want = torch.nn.functional.pad(v, (0, n_pad - nq))[..., order]
         assert torch.equal(rows[:, :, i], want), f"vector {i}"
+
+
+QUANTIZE_SCRIPT = """
+import torch
+from fp4_inductor import formats as F
+from fp4_inductor.kernels.triton import quantize as Q
+torch.manual_seed({seed})
+# Head dims that are not powers of two, D_v of its own, strided views, and V holding an
+# Inf and a NaN (its scale skips them; they become V's NaN code, as formats.quantize_v).
+for b, h, hkv, nq, nk, d, dv in [(1, 4, 2, 70, 300, 80, 80), (2, 2, 1, 33, 128, 40, 40), (1, 1, 1, 20, 200, 192, 128)]:
+    q = torch.randn(b, nq, h, d).transpose(1, 2)
+    k = torch.randn(b, hkv, nk, d) * 2 + 1
+    v = torch.randn(b, hkv, nk, dv)
+    v[0, 0, 5, 3], v[-1, -1, nk - 1, dv - 1] = float("inf"), float("nan")
+    got, want = Q.quantize_inputs(q, k, v, 0.125), F.quantize_inputs(q, k, v, 0.125, "fp8")
+    for name, g, w in zip(("q8", "k8", "v_t", "q_scale", "k_scale", "v_scale"), got, want):
+        assert g.shape == w.shape, (name, g.shape, w.shape)
+        if name == "k8":  # K's mean is summed in another order: a code may move by one step
+            assert (g.int() - w.int()).abs().max() <= 1 and (g != w).float().mean() <= 1e-3, name
+        elif name == "k_scale":
+            torch.testing.assert_close(g, w, rtol=1e-6, atol=0)
+        else:
+            assert torch.equal(g.view(torch.uint8) if g.dtype == F.E4M3 else g,
+                               w.view(torch.uint8) if w.dtype == F.E4M3 else w), name
+"""
+
+
+def test_triton_quantize_matches_formats(fresh_seed):
+    """The quantization kernel under the interpreter against formats.quantize_inputs: padded
+    head dims, D_v != D_qk, the spare scale block, non-finite V."""
+    _interpreted(QUANTIZE_SCRIPT.format(seed=fresh_seed))
+
+
+SWEEP_SCRIPT = """
+import torch
+from bwd_checks import check, operands, run
+from helpers import quantized_operands
+from fp4_inductor import reference as R
+from fp4_inductor.kernels.triton import attention_fwd
+torch.manual_seed({seed})
+# Every head dim the issue names, one small causal case each, forward and backward.
+for d in (32, 40, 72, 80, 96, 160, 256):
+    ops, _ = quantized_operands(1, 1, 1, 70, 130, d, "direct")
+    out = torch.full((1, 70, 1, d), float("nan")).transpose(1, 2)
+    lse, row_ref = (torch.full((1, 1, 70), float("nan")) for _ in range(2))
+    attention_fwd.attention_forward(*ops, None, True, "direct", out, lse, row_ref, diagonal=60)
+    ref_o, ref_l, ref_r = R.attention_forward(*ops, None, True, "direct", torch.float32, 60)
+    assert torch.equal(row_ref, ref_r) and (lse - ref_l).abs().max() <= 1e-5, d
+    assert (out - ref_o).norm() <= 1e-5 * ref_o.norm(), d
+    bops = operands(1, 1, 1, 70, 130, d, "direct", True, diagonal=60)
+    grads, dumps = run(bops, True, "direct", device="cpu", diagonal=60)
+    check(bops, True, "direct", grads, dumps, diagonal=60)
+"""
+
+
+def test_triton_kernels_at_every_head_dim(fresh_seed):
+    """The forward and backward kernels at D = 32, 40, 72, 80, 96, 160, 256 (padded tiles)
+    against the reference, under the interpreter."""
+    _interpreted(SWEEP_SCRIPT.format(seed=fresh_seed))

@@ -15,9 +15,9 @@ B, N = 2, 24
 PAD = 5  # left padding of the second sequence
 
 
-def _causal_lm(name, attn):
+def _causal_lm(name, attn, layers=2):
     torch.manual_seed(torch.initial_seed() % 2**31)
-    kw = dict(vocab_size=128, hidden_size=128, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    kw = dict(vocab_size=128, hidden_size=128, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
               num_key_value_heads=2, attn_implementation=attn)
     if name == "llama":
         return transformers.LlamaForCausalLM(transformers.LlamaConfig(**kw))
@@ -59,9 +59,9 @@ def test_hf_attention_mask_reaches_the_op_as_structure(name, attn, padded):
     assert not out.logits.isnan().any()
 
 
-@pytest.mark.parametrize("name", ["mistral"])  # its sliding window; Llama's masks are the causal subset
+@pytest.mark.parametrize("name", ["llama", "qwen2", "mistral"])
 def test_hf_training_with_gradient_checkpointing(name):
-    model = _causal_lm(name, "sdpa").train()
+    model = _causal_lm(name, "sdpa", layers=1).train()
     ids, mask = _batch(True)
 
     def step(fn):
@@ -78,7 +78,7 @@ def test_hf_training_with_gradient_checkpointing(name):
         torch._dynamo.reset()
         with fp4_inductor.configure(policy="always"):
             got[ckpt], calls = op_calls(step, torch.compile(model, backend="fp4attn"))
-        assert calls["fwd"] >= 2 and calls["bwd"] == 2, calls
+        assert calls["fwd"] >= 1 and calls["bwd"] == 1, calls
     model.gradient_checkpointing_disable()
     assert cosine(got[True], ref) >= 0.98
     # The recomputed forward quantizes exactly as the first one did.
@@ -146,31 +146,3 @@ def test_handwritten_tril_mask_is_causal(window):
         out, calls = fwd_inputs(torch.compile(module, backend="fp4attn"), x)
     assert calls and calls[0][6] == []  # no bias at all
     assert cosine(out, module(x)) > 0.99
-
-
-@pytest.mark.parametrize("mask_kind", ["bool", "neg_inf", "finfo_min", "masked_fill"])
-def test_fully_masked_rows_match_eager(mask_kind):
-    """Query rows whose every key is masked: eager's zeros (SDPA: boolean and -inf masks),
-    mean of V (finite fills) or NaN (a softmax over -inf), on the reference path."""
-    torch.manual_seed(torch.initial_seed() % 2**31)
-    q, k, v = (torch.randn(2, 4, 40, 32) for _ in range(3))
-    keep = torch.rand(2, 1, 40, 40) > 0.3
-    keep[:, :, :5] = False  # five rows with no visible key
-
-    def fn(q, k, v, keep):
-        if mask_kind == "bool":
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
-        if mask_kind in ("neg_inf", "finfo_min"):
-            fill = float("-inf") if mask_kind == "neg_inf" else torch.finfo(torch.float32).min
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=torch.where(keep, 0.0, fill) * 1.0)
-        scores = (q @ k.transpose(-2, -1) * 32**-0.5).masked_fill(~keep, float("-inf"))
-        return F.softmax(scores, dim=-1) @ v
-
-    ref = fn(q, k, v, keep)
-    with fp4_inductor.configure(policy="always"):
-        out, calls = op_calls(torch.compile(fn, backend="fp4attn"), q, k, v, keep)
-    assert calls["fwd"] == 1
-    empty = ~keep.expand(2, 4, 40, 40).any(-1)
-    assert torch.equal(out.isnan(), ref.isnan())
-    torch.testing.assert_close(out[empty], ref[empty], equal_nan=True)
-    assert cosine(out[~empty], ref[~empty]) > 0.99
