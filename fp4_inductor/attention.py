@@ -86,24 +86,20 @@ def default_p_mode(fmt: str) -> str:
 EMPTY_ROWS = ("zero", "nan", "mean", "sdpa", "softmax")
 
 
-def empty_row_fill(out, empty, v, mode: str, additive=None):
+def empty_row_fill(out, empty, v, mode: str, attn_mask=None):
     """``out`` with the rows ``empty`` ([B, H, Nq], no visible key) given what ``mode``
-    says; ``additive``: the site's additive mask, read by the run-time modes.  Rows with a
-    visible key are untouched."""
+    says; the run-time modes read an additive ``attn_mask`` (a boolean one has no fill
+    values: its rows get the mean).  Rows with a visible key are untouched."""
     if mode == "zero":
         return out
-    if mode in ("sdpa", "softmax") and additive is not None:
-        all_neg_inf = (additive == -math.inf).all(-1).expand(empty.shape)
-    else:
-        all_neg_inf = torch.full((), mode == "nan", device=out.device)
     mean = v.float().mean(dim=-2, keepdim=True)
-    mean = mean.repeat_interleave(out.shape[1] // v.shape[1], dim=1)  # GQA: V's head of each query head
-    if mode == "sdpa":
-        fill = torch.where(all_neg_inf[..., None], 0.0, mean)
-    elif mode == "mean":
-        fill = mean
-    else:
-        fill = torch.where(all_neg_inf[..., None], math.nan, mean)
+    fill = mean.repeat_interleave(out.shape[1] // v.shape[1], dim=1)  # GQA: V's head of each query head
+    if mode != "mean":
+        if mode != "nan" and attn_mask is not None and attn_mask.dtype != torch.bool:
+            all_neg_inf = (attn_mask == -math.inf).all(-1).expand(empty.shape)[..., None]
+        else:
+            all_neg_inf = torch.full((), mode == "nan", device=out.device)
+        fill = torch.where(all_neg_inf, 0.0 if mode == "sdpa" else math.nan, fill)
     return torch.where(empty[..., None], fill.to(out.dtype), out)
 
 
@@ -169,7 +165,5 @@ def lowp_attention(
         out, lse = _LowPrecisionAttention.apply(q, k, v, F.mask_to_log2_bias(attn_mask, key_padding), scale,
                                                 is_causal, fmt, p_mode, diagonal, window)
         empty = lse == -math.inf
-    if empty_rows != "zero":
-        additive = attn_mask if attn_mask is not None and attn_mask.dtype != torch.bool else None
-        out = empty_row_fill(out, empty, v, empty_rows, additive)
+    out = empty_row_fill(out, empty, v, empty_rows, attn_mask)
     return out.squeeze(1) if squeeze else out

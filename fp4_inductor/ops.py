@@ -234,12 +234,13 @@ def sdpa_with_structure(q, k, v, attn_mask, scale, is_causal, diagonal=0, window
                                                                enable_gqa=k.shape[1] != q.shape[1])
         return out, torch.zeros(q.shape[:3], dtype=torch.bool, device=q.device)
     nq, nk = q.shape[-2], k.shape[-2]
-    keep = F.visible(torch.arange(nq, device=q.device)[:, None], torch.arange(nk, device=q.device)[None, :],
-                     is_causal, diagonal, window)
+    structure = F.visible(torch.arange(nq, device=q.device)[:, None], torch.arange(nk, device=q.device)[None, :],
+                          is_causal, diagonal, window)
+    bias = F.mask_to_log2_bias(attn_mask, key_padding)  # what the kernels would read
+    keep = structure
     if key_padding is not None:
         pad = key_padding[:, None, None, :]
         keep = pad if keep is None else keep & pad
-    bias = F.mask_to_log2_bias(attn_mask)
     if keep is not None:  # SDPA's GPU backends take a mask or is_causal, not both
         if attn_mask is None or attn_mask.dtype == torch.bool:
             attn_mask = keep if attn_mask is None else attn_mask & keep
@@ -249,13 +250,10 @@ def sdpa_with_structure(q, k, v, attn_mask, scale, is_causal, diagonal=0, window
         attn_mask = attn_mask.to(q.dtype)  # SDPA takes an additive mask in the inputs' dtype
     out = torch.nn.functional.scaled_dot_product_attention(
         q, k, v, attn_mask=attn_mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
-    empty = torch.zeros(q.shape[:3], dtype=torch.bool, device=q.device)
-    if bias is not None or keep is not None:
-        visible = torch.ones((), dtype=torch.bool, device=q.device) if bias is None else bias > F.MASKED_LOG2
-        if keep is not None:
-            visible = visible & keep
-        empty = ~visible.expand(*q.shape[:3], nk).any(-1)
-    return out, empty
+    visible = structure  # here a mask, key padding or the structure is set
+    if bias is not None:
+        visible = bias > F.MASKED_LOG2 if visible is None else visible & (bias > F.MASKED_LOG2)
+    return out, ~visible.expand(*q.shape[:3], nk).any(-1)
 
 
 @attention_by_length.register_fake

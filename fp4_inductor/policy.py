@@ -102,7 +102,7 @@ def _mask_nodes(site: Site, dense: bool = False) -> list:
         args = mha_args(site.anchor)
         return [args["attn_mask"], args["key_padding_mask"]]
     pad = site.structure.key_padding if site.structure is not None and not dense else None
-    return [site.attn_mask, pad, *(m for m, _ in (*site.keep_masks, *site.drop_masks, *site.bias_terms))]
+    return [pad, *site.dense_masks()]
 
 
 def _mask_values(site: Site, dense: bool = False) -> list[torch.Tensor]:
@@ -269,9 +269,8 @@ class AnalyticModel:
 
     def speedup(self, shape: SiteShape, fmt: str) -> float | None:
         # Modelled: the fp8 direct-P forward of the kernels' own head dims, unmasked or causal.
-        if shape.training or fmt != "fp8" or shape.table_key() != SiteShape(
-                shape.b, shape.h, shape.hkv, shape.nq, shape.nk, shape.d, shape.causal, False).table_key() \
-                or shape.d not in (64, 128):
+        if shape.training or fmt != "fp8" or shape.d not in (64, 128) or shape.dv not in (None, shape.d) or \
+                shape.mask not in ("none", "causal"):
             return None
         s = shape
         per_second = self.sms * self.clock_hz

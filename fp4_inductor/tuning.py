@@ -153,8 +153,7 @@ def _probe(q, k, v, attn_mask=None, scale=None, is_causal=False, *, fmt, p_mode,
 
     def bf16():
         out, empty = ops.sdpa_with_structure(q, k, v, attn_mask, scale, is_causal, **structure)
-        out = empty_row_fill(out, empty, v, empty_rows,
-                             attn_mask if attn_mask is not None and attn_mask.dtype != torch.bool else None)
+        out = empty_row_fill(out, empty, v, empty_rows, attn_mask)
         if training:
             out.backward(torch.ones_like(out))
         return out

@@ -38,13 +38,10 @@ _FUNCTION_KINDS = {
     torch.where: "where",
     torch.masked_fill: "masked_fill",
     F.scaled_dot_product_attention: "sdpa",
-    # aten-level graphs (exported programs, or aten calls in user code): overloads and packets
-    **{op: k for packet, k in ((torch.ops.aten.scaled_dot_product_attention, "sdpa"),
-                               (torch.ops.aten._scaled_dot_product_flash_attention, "sdpa_backend"),
-                               (torch.ops.aten._scaled_dot_product_flash_attention_for_cpu, "sdpa_backend"),
-                               (torch.ops.aten._scaled_dot_product_efficient_attention, "sdpa_backend"),
-                               (torch.ops.aten._scaled_dot_product_cudnn_attention, "sdpa_backend"))
-       for op in (packet, packet.default)},
+    # aten-level graphs (exported programs, or aten calls in user code): Dynamo's graphs
+    # call the packet, exported ones the overload
+    torch.ops.aten.scaled_dot_product_attention: "sdpa",
+    torch.ops.aten.scaled_dot_product_attention.default: "sdpa",
     torch.repeat_interleave: "repeat_interleave",
     torch.reshape: "reshape",
     operator.getitem: "getitem",
@@ -52,6 +49,16 @@ _FUNCTION_KINDS = {
     torch.tensor: "tensor",
     torch.scalar_tensor: "tensor",
 }
+# SDPA's backend ops in aten-level graphs, with where (dropout_p, is_causal, scale,
+# attn_mask) sit among their arguments; only their output (element 0) may be used.
+SDPA_BACKENDS = {
+    torch.ops.aten._scaled_dot_product_flash_attention: (3, 4, 6, None),
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: (3, 4, 6, 5),
+    torch.ops.aten._scaled_dot_product_efficient_attention: (5, 6, 7, 3),
+    torch.ops.aten._scaled_dot_product_cudnn_attention: (6, 7, 9, 3),
+}
+SDPA_BACKENDS.update({packet.default: where for packet, where in SDPA_BACKENDS.items()})
+_FUNCTION_KINDS.update({op: "sdpa_backend" for op in SDPA_BACKENDS})
 _METHOD_KINDS = {
     "matmul": "matmul",
     "bmm": "bmm",
@@ -216,6 +223,10 @@ class Site:
     empty_rows: str = "zero"
     mask_note: str | None = None  # mask_kind() of a site whose masks are call arguments (MHA)
 
+    def dense_masks(self) -> list:
+        """The masks read as tensors (None where absent): what ``structure`` did not take."""
+        return [self.attn_mask, *(m for m, _ in (*self.keep_masks, *self.drop_masks, *self.bias_terms))]
+
     def mask_kind(self) -> str:
         """What masks the site has, as ``explain`` shows them and the cost table keys them:
         "none", "causal", "causal+offset", "window W", each "+padding" where a key-padding
@@ -230,8 +241,7 @@ class Site:
                          "causal+offset" if offset else "causal")
         if s is not None and s.key_padding is not None:
             parts.append("padding")
-        dense = [m for m in (self.attn_mask, *(m for m, _ in self.keep_masks), *(m for m, _ in self.drop_masks),
-                             *(m for m, _ in self.bias_terms)) if m is not None]
+        dense = [m for m in self.dense_masks() if m is not None]
         if dense:
             parts.append("padding" if all(_key_row(m, self) for m in dense) else "dense")
         return "+".join(dict.fromkeys(parts)) or "none"

@@ -105,7 +105,8 @@ class MaskStructure:
     """What ``mask_structure`` found: the causal structure as the op takes it (``diagonal``
     and ``window`` as ints or graph nodes, ``formats.visible``) and a key-padding vector
     (a ``[B, Nk']`` boolean node, sliced by ``pad_offset`` at replacement time), and the
-    nodes the mask was built from (dead once the site is rewritten)."""
+    masks' own nodes (``erase_dead`` takes their producers with them once the site is
+    rewritten)."""
 
     causal: bool = False
     diagonal: tuple = _ZERO
@@ -116,21 +117,15 @@ class MaskStructure:
 
 
 class _Evaluator:
-    def __init__(self):
-        self.seen: list[fx.Node] = []
-
     def __call__(self, node):
         if not isinstance(node, fx.Node):
             return _Const(bool(node)) if isinstance(node, bool) else None
-        result = self._eval(node)
-        if result is not None:
-            self.seen.append(node)
-        return result
+        return self._eval(node)
 
     def _eval(self, node: fx.Node):
         target, k = node.target, kind(node)
         if node.op == "call_function" and target is torch.arange:
-            args = [a for a in node.args]
+            args = node.args
             if len(args) == 1 or (len(args) == 2 and _affine(args[0]) == _ZERO):
                 return _Arange()
             return None
@@ -152,9 +147,11 @@ class _Evaluator:
             return None
         if k == "getitem":
             return self._getitem(node)
-        if node.op == "call_method" and target == "unsqueeze" and isinstance(self(node.args[0]), _Arange):
-            dim = node.args[1]  # [N, 1] is the row index, [1, N] the column index
-            return _Index(-2 if dim in (1, -1) else -1, self(node.args[0]).offset) if dim in (0, 1, -1, -2) else None
+        if node.op == "call_method" and target == "unsqueeze":
+            inner, dim = self(node.args[0]), node.args[1]  # [N, 1] is the row index, [1, N] the column index
+            if isinstance(inner, _Arange) and dim in (0, 1, -1, -2):
+                return _Index(-2 if dim in (1, -1) else -1, inner.offset)
+            return None
         if node.op == "call_method" and target == "new_ones" and arg_dtype(node) is torch.bool:
             return _Const(True)
         if node.op == "call_function" and target in (operator.invert, torch.logical_not, torch.bitwise_not) or \
@@ -203,7 +200,6 @@ class _Evaluator:
         if not (isinstance(src, fx.Node) and src.op == "call_function" and src.target is torch.ones
                 and isinstance(diag, int)):
             return None
-        self.seen.append(src)
         lower = node.target in (torch.tril, "tril")
         # tril(d) keeps col <= row + d; triu(d) keeps col >= row + d, i.e. col - row > d - 1
         return _Structure(upper=(diag, ())) if lower else _Structure(lower=(diag - 1, ()))
@@ -257,7 +253,7 @@ def mask_structure(node, keep: bool = True) -> MaskStructure | None:
     if not keep:
         found = _negate(found)
     if isinstance(found, _Const):
-        return MaskStructure(nodes=tuple(ev.seen)) if found.value else None
+        return MaskStructure(nodes=(node,)) if found.value else None
     if not isinstance(found, _Structure) or len(found.pads) > 1:
         return None
     if found.lower is not None and found.upper is None:
@@ -270,7 +266,7 @@ def mask_structure(node, keep: bool = True) -> MaskStructure | None:
         window = span[0]
     pad, pad_offset = found.pads[0] if found.pads else (None, _ZERO)
     return MaskStructure(causal=found.upper is not None, diagonal=found.upper or _ZERO, window=window,
-                         key_padding=pad, pad_offset=pad_offset, nodes=tuple(ev.seen))
+                         key_padding=pad, pad_offset=pad_offset, nodes=(node,))
 
 
 def _negate(found):

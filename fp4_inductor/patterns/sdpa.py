@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import operator
 
-import torch
 import torch.fx as fx
 
-from .common import Site, arg, kind, module_path, strip_repeat_kv, value
+from .common import SDPA_BACKENDS, Site, arg, kind, module_path, strip_repeat_kv, value
 from .masks import structure_site
 
 
@@ -36,26 +35,14 @@ def match_sdpa(node: fx.Node) -> Site | None:
     return site
 
 
-# SDPA's backend ops in aten-level graphs (exported programs, graphs traced after
-# dispatch), with where their arguments sit; only the output (element 0) may be used.
-_BACKENDS = {  # op: (dropout_p, is_causal, scale, attn_mask) positions
-    torch.ops.aten._scaled_dot_product_flash_attention: (3, 4, 6, None),
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: (3, 4, 6, 5),
-    torch.ops.aten._scaled_dot_product_efficient_attention: (5, 6, 7, 3),
-    torch.ops.aten._scaled_dot_product_cudnn_attention: (6, 7, 9, 3),
-}
-# Dynamo's graphs call the packet, exported ones the overload.
-_BACKENDS.update({packet.default: where for packet, where in _BACKENDS.items()})
-
-
 def match_sdpa_backend(node: fx.Node) -> Site | None:
     """``aten._scaled_dot_product_*_attention`` whose only use is its output."""
-    if node.op != "call_function" or node.target not in _BACKENDS:
+    if kind(node) != "sdpa_backend":
         return None
     users = list(node.users)
     if not users or not all(u.target is operator.getitem and u.args[1] == 0 for u in users):
         return None
-    dropout, causal, scale, mask = _BACKENDS[node.target]
+    dropout, causal, scale, mask = SDPA_BACKENDS[node.target]
     q, k, v = node.args[:3]
     site = Site("sdpa", users[0] if len(users) == 1 else node, q=q, k=k, v=v, name=module_path(node))
     get = lambda i, default=None: node.args[i] if i is not None and i < len(node.args) else default  # noqa: E731
