@@ -104,7 +104,10 @@ def test_int8_k_is_smoothed_with_one_scale_per_block():
     k8, scale = F.quantize_k(k)
     assert scale.shape == (2, 2, F.scale_blocks(300)) == (2, 2, 4)  # three blocks and the spare
     assert bool((scale[..., -1] == 1).all())
-    smoothed = k - k.mean(dim=-2, keepdim=True)
+    # The mean of 128 tokens spread over the 300 (one pass over K in the kernel).
+    samples = [i * 300 // 128 for i in range(128)]
+    assert samples[:4] == [0, 2, 4, 7] and samples[-1] == 297
+    smoothed = k - k[..., samples, :].mean(dim=-2, keepdim=True)
     err = (F.dequantize_k(k8, scale) - smoothed).abs()
     assert bool((err <= F.expand_block_scale(scale, 300)[..., None] / 2 * (1 + 1e-4)).all())  # half a step, plus float32 rounding of x / scale
     # Smoothing shifts each score row by a constant: softmax is unchanged.
@@ -112,6 +115,9 @@ def test_int8_k_is_smoothed_with_one_scale_per_block():
     a = torch.softmax(q @ k.mT, -1)
     b = torch.softmax(q @ smoothed.mT, -1)
     assert torch.allclose(a, b, atol=1e-5)
+    # Up to 128 tokens, the mean of all of them.
+    short = k[..., :100, :]
+    torch.testing.assert_close(F.smooth_k(short), short - short.mean(dim=-2, keepdim=True))
 
 
 def test_e4m3_v_one_scale_per_head_stored_k_major():
