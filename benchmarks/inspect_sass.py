@@ -121,8 +121,9 @@ def main():
 
         for kernel, d, causal in itertools.product(args.gluon, args.d, args.causal):
             module = importlib.import_module(f"fp4_inductor.kernels.gluon.{GLUON[kernel]}")
-            report(f"gluon_{kernel}_d{d}_{'causal' if causal else 'full'}",
-                   lambda: module.compile_for_sm90(d, bool(causal)), args.dump)
+            extra = {"windowed": True} if args.windowed and kernel == "fwd" and causal else {}
+            report(f"gluon_{kernel}_d{d}_{'causal' if causal else 'full'}{'_window' if extra else ''}",
+                   lambda: module.compile_for_sm90(d, bool(causal), **extra), args.dump)
         return
     configs = [tuple(int(x) for x in c.split(",")) for c in args.configs] if args.configs else K.CONFIGS[:1]
     for d, mode, causal, bias, cfg in itertools.product(args.d, args.modes, args.causal, args.bias, configs):

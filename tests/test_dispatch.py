@@ -41,8 +41,8 @@ def _launch(p_mode, causal, nq, nk, bias=None, d=128, diagonal=0, window=0):
 
 
 @pytest.mark.parametrize("p_mode,causal,nq,nk,bias,expected,extra", [
-    ("direct", True, 8192, 8192, None, "triton", {"diagonal": 4}),  # a causal offset: Triton's
-    ("direct", True, 8192, 8192, None, "triton", {"window": 4096}),  # a window: Triton's
+    ("direct", True, 8192, 8192, None, "gluon", {"diagonal": 4}),  # a causal offset
+    ("direct", True, 8192, 8192, None, "gluon", {"window": 4096}),  # a window
     ("direct", False, 8192, 8192, None, "triton", {"d": 96}),  # head dims the Gluon kernel lacks
     ("direct", False, 4096, 4096, None, "gluon", {}),
     ("direct", False, 4080, 4080, None, "triton", {}),  # below GLUON_MIN_KEYS

@@ -176,6 +176,29 @@ def test_gluon_matches_reference(shape, p_mode, d, causal):
     _check(got, ref, p_mode, lse_tol=GLUON_LSE_TOL)
 
 
+# Causal structures in the Gluon kernel: chunked prefill and decode (bottom-right
+# diagonals), sliding windows alone and with an offset, a negative diagonal (rows with no
+# visible key).
+GLUON_STRUCTURES = [  # (B, H, Hkv, Nq, Nk, diagonal, window)
+    (1, 4, 2, 300, 1024, 724, 0),
+    (1, 2, 1, 1, 4224, 4223, 0),
+    (1, 4, 2, 1024, 1024, 0, 256),
+    (1, 4, 2, 1000, 1296, 296, 512),
+    (1, 2, 1, 700, 304, -400, 0),
+]
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("p_mode", ["direct", "exp"])
+@pytest.mark.parametrize("case", GLUON_STRUCTURES, ids=lambda c: "b{}h{}kv{}q{}k{}-diag{}w{}".format(*c))
+def test_gluon_structures(case, p_mode, d):
+    b, h, hkv, nq, nk, diagonal, window = case
+    ops, _ = _inputs(b, h, hkv, nq, nk, d, p_mode)
+    got = _run_kernel(ops, None, True, p_mode, kernel="gluon", diagonal=diagonal, window=window)
+    ref = R.attention_forward(*ops, None, True, p_mode, torch.float32, diagonal, window)
+    _check(got, ref, p_mode, lse_tol=GLUON_LSE_TOL)
+
+
 def test_dispatch_picks_gluon_where_it_applies():
     """kernels.forward_kernel runs the Gluon kernel in its scope from GLUON_MIN_KEYS keys
     on and Triton otherwise: LSE errors tell them apart (row sums of codes exact in

@@ -43,11 +43,12 @@ def _applies(q: torch.Tensor) -> bool:
     return has_forward_kernel(q.device) and supported_head_dim(q.shape[-1])
 
 
-def _gluon_scope(q, v_t, causal, diagonal, window) -> bool:
+def _gluon_scope(q, v_t, causal, diagonal, window, structures: bool) -> bool:
     """What the Gluon kernels cover besides their own ``supports``: D in {64, 128} for Q,
-    K and V alike, and no causal structure but SDPA's top-left one."""
+    K and V alike; the backward kernels (``structures=False``) no causal structure but
+    SDPA's top-left one, the forward any (``formats.visible``)."""
     d = q.shape[-1]
-    return d in (64, 128) and v_t.shape[-2] == d and not (causal and (diagonal or window))
+    return d in (64, 128) and v_t.shape[-2] == d and (structures or not (causal and (diagonal or window)))
 
 
 def has_forward_kernel(device: torch.device) -> bool:
@@ -70,8 +71,8 @@ def forward_kernel(q: torch.Tensor, p_mode: str):
     Gluon kernel for P mode direct where it covers the call (``_gluon_scope`` and
     ``kernels.gluon.attention_fwd.supports``) and both the queries and the keys reach
     ``GLUON_MIN_KEYS``, the Triton kernel for the rest (shorter rows, P modes exp and fp4,
-    biases and masks, other head dims, causal offsets and windows, Nk not a multiple of
-    16); the choice is made per call, in ``_forward``."""
+    biases and masks, other head dims, Nk not a multiple of 16); the choice is made per
+    call, in ``_forward``."""
     if not _applies(q) or p_mode not in P_MODES:
         return None
     return _forward if _module("triton", "attention_fwd") is not None else None
@@ -105,13 +106,13 @@ def _run_gluon(module: str, what: str, launch: str, supports_args: tuple, args: 
 
 
 def _forward(q, k, v_t, q_scale, k_scale, v_scale, bias, causal, p_mode, out, lse, row_ref, diagonal=0, window=0):
-    args = (q, k, v_t, q_scale, k_scale, v_scale, bias, causal, p_mode, out, lse, row_ref)
+    args = (q, k, v_t, q_scale, k_scale, v_scale, bias, causal, p_mode, out, lse, row_ref, diagonal, window)
     if p_mode == "direct" and min(q.shape[2], k.shape[2]) >= GLUON_MIN_KEYS[bool(causal)] \
-            and _gluon_scope(q, v_t, causal, diagonal, window) \
+            and _gluon_scope(q, v_t, causal, diagonal, window, structures=True) \
             and _run_gluon("attention_fwd", "forward", "attention_forward",
                            (q, k, v_t, q_scale, bias, p_mode, lse, row_ref), args):
         return
-    _module("triton", "attention_fwd").attention_forward(*args, diagonal=diagonal, window=window)
+    _module("triton", "attention_fwd").attention_forward(*args[:-2], diagonal=diagonal, window=window)
 
 
 def backward_kernel(q: torch.Tensor, p_mode: str):
@@ -142,7 +143,7 @@ def _gluon_dkdv(do, do_t, do_scale, delta, q, qe_t, qe_scale, k, v, q_scale, k_s
 
 def _backward(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale, qe, qe_scale, ke, ke_scale, bias, row_ref,
               causal, p_mode, dq, dk, dv, diagonal=0, window=0):
-    gluon = _gluon_scope(q, v_t, causal, diagonal, window)
+    gluon = _gluon_scope(q, v_t, causal, diagonal, window, structures=False)
     _module("triton", "attention_bwd").attention_backward(
         do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale, qe, qe_scale, ke, ke_scale, bias, row_ref, causal,
         p_mode, dq, dk, dv, diagonal=diagonal, window=window,

@@ -15,7 +15,8 @@ FlashAttention-3 does on Hopper:
 - K rows arrive in the order that makes each thread's accumulator fragment of P its own
   fp8 A-operand fragment (a 5-D TMA box, see ``_key_order``), so P reaches P.V without
   register shuffles;
-- tiles wholly inside the keys (and, causal, below the diagonal) run without masks.
+- a program walks only the key tiles its rows can see (causal: up to the diagonal, and
+  from a sliding window's lower edge); tiles wholly visible run without masks.
 
 One deviation from the reference: the row sum of the codes is summed by the tensor
 core, whose fp8 accumulation keeps fewer mantissa bits than float32, so the LSE is
@@ -27,7 +28,8 @@ key per tile (attention sinks) lose more.  P codes, row references and the outpu
 Scope (``supports``): P mode ``direct`` or ``exp`` (the ablation: exp2 on the MUFU and
 the convert instruction, in the same kernel structure), no bias, D in {64, 128}, Nk a
 multiple of 16 (TMA needs the V^T rows 16-byte aligned and K in whole 16-key chunks),
-contiguous operands; causal (top-left, as SDPA) or not; GQA/MQA.  Which calls it gets
+contiguous operands; causal with any diagonal offset and sliding window
+(``formats.visible``; rows with no visible key get O = 0, LSE -inf) or not; GQA/MQA.  Which calls it gets
 is decided per call by ``kernels._forward`` (lengths); the rest run the Triton kernel.
 """
 
@@ -97,9 +99,11 @@ def _e4m3(v):
 @gluon.jit
 def _probability(x, t, m, EXP: gl.constexpr):
     """The E4M3 P operand of one tile, as the Triton kernel's _probability, from
-    ``_scores``'s x and t, against the row references ``m``; t and m are [rows, 1].
+    ``_scores``'s x and t, against the row references ``m``; t and m are [rows, 1]; a row
+    whose reference is still -inf gets P = 0 (built against 0: exp's x - m would be NaN).
     Direct-P: ``_direct_p`` of the integer scores with the bias of m; exp: exp2(x - m + 8)
     of the log2 scores, converted by the cvt instruction."""
+    m = gl.where(m == float("-inf"), 0.0, m)  # a row with no visible key yet: P = 0, not NaN
     if EXP:
         return _e4m3(gl.exp2(x - m + 8.0)).to(gl.float8e4nv, bitcast=True)
     return _direct_p(x, t * 0.03125, _direct_p_bias(m))
@@ -142,12 +146,13 @@ def _p_operand(p, p_layout: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr):
 
 
 @gluon.jit
-def _scores(s, row_t, ks_ptr, j, rows, NK, BN: gl.constexpr, CAUSAL: gl.constexpr, MASKED: gl.constexpr,
-            EXP: gl.constexpr):
+def _scores(s, row_t, ks_ptr, j, rows, NK, DIAGONAL, WINDOW, BN: gl.constexpr, CAUSAL: gl.constexpr,
+            WINDOWED: gl.constexpr, MASKED: gl.constexpr, EXP: gl.constexpr):
     """Tile j's scores from its int32 products and the rows' log2 scale t: x, the log2
     scores (EXP, rounded on their own as the reference's), or the integer scores as
-    float32 (Direct-P folds t into its FFMA); MASKED: keys past NK and (causal) keys after
-    the row at -inf.  Returns (x, t)."""
+    float32 (Direct-P folds t into its FFMA); MASKED: keys past NK and (causal) keys the
+    structure hides (``formats.visible``: after row + DIAGONAL, or WINDOWED, at or before
+    row + DIAGONAL - WINDOW) at -inf.  Returns (x, t)."""
     t = row_t * gl.load(ks_ptr + j)
     x = s.to(gl.float32)
     if EXP:
@@ -156,7 +161,10 @@ def _scores(s, row_t, ks_ptr, j, rows, NK, BN: gl.constexpr, CAUSAL: gl.constexp
         keys = j * BN + _key_order(BN, gl.SliceLayout(0, s.type.layout))
         ok = (keys < NK)[None, :]
         if CAUSAL:
-            ok = ok & (keys[None, :] <= rows[:, None])
+            last = rows[:, None] + DIAGONAL
+            ok = ok & (keys[None, :] <= last)
+            if WINDOWED:
+                ok = ok & (keys[None, :] > last - WINDOW)
         x = gl.where(ok, x, float("-inf"))
     return x, t
 
@@ -183,27 +191,29 @@ def _products(p, v_buf, ones, part, l_part, HEAD_DIM: gl.constexpr, BM: gl.const
 
 
 @gluon.jit
-def _step(j, state, q, s_zero, row_t, rows, ks_ptr, NK, smem, bars,
+def _step(i, j, state, q, s_zero, row_t, rows, ks_ptr, NK, DIAGONAL, WINDOW, smem, bars,
           WG: gl.constexpr, HEAD_DIM: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
-          STAGES: gl.constexpr, CAUSAL: gl.constexpr, EXP: gl.constexpr, MASKED: gl.constexpr):
-    """Key tile j: S_j on the tensor cores while they run P_{j-1}.V_{j-1}; the softmax of
-    S_j; then tile j-1's products join the float32 sums (two-level accumulation), which
-    move from m_{j-2} to m_{j-1}: acc alpha_{j-1} + P_{j-1} V_{j-1}, one FFMA each."""
+          STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOWED: gl.constexpr, EXP: gl.constexpr,
+          MASKED: gl.constexpr):
+    """Iteration i, key tile j: S_j on the tensor cores while they run P_{j-1}.V_{j-1}; the
+    softmax of S_j; then tile j-1's products join the float32 sums (two-level accumulation),
+    which move from m_{j-2} to m_{j-1}: acc alpha_{j-1} + P_{j-1} V_{j-1}, one FFMA each.
+    The ring and the turns count iterations (a program's first tile need not be tile 0)."""
     acc, part, l_acc, l_part, m_i, p, alpha = state
     q_smem, k_bufs, v_bufs, ones = smem
     q_bar, k_ready, k_empty, v_ready, v_empty, turn = bars
-    stage = j % STAGES
-    prev = (j - 1) % STAGES
-    mbarrier.wait(k_ready.index(stage), (j // STAGES) & 1)
-    mbarrier.wait(turn.index(WG), j & 1)
+    stage = i % STAGES
+    prev = (i - 1) % STAGES
+    mbarrier.wait(k_ready.index(stage), (i // STAGES) & 1)
+    mbarrier.wait(turn.index(WG), i & 1)
     s = warpgroup_mma(q, k_bufs.index(stage).reshape([BN, HEAD_DIM]).permute((1, 0)), s_zero,
                       use_acc=False, is_async=True)
-    mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
+    mbarrier.wait(v_ready.index(prev), ((i - 1) // STAGES) & 1)
     part, l_part = _products(p, v_bufs.index(prev), ones, part, l_part, HEAD_DIM, BM, BN)
     mbarrier.arrive(turn.index(1 - WG))
     s = warpgroup_mma_wait(2, deps=(s,))
     mbarrier.arrive(k_empty.index(stage))
-    x, t = _scores(s, row_t, ks_ptr, j, rows, NK, BN, CAUSAL, MASKED, EXP)
+    x, t = _scores(s, row_t, ks_ptr, j, rows, NK, DIAGONAL, WINDOW, BN, CAUSAL, WINDOWED, MASKED, EXP)
     m_new = gl.maximum(m_i, gl.ceil(_row_max(x, t, EXP)), propagate_nan=tl.PropagateNan.ALL)
     alpha_new = gl.where(m_new == m_i, 1.0, gl.exp2(m_i - m_new))
     p = _probability(x, t[:, None], m_new[:, None], EXP)
@@ -229,9 +239,11 @@ def _store_rows(ptr, tile, row0, col0, b, head, N, out_strides):
 
 @gluon.jit
 def _consumer(qs_ptr, ks_ptr, vs_ptr, out_ptr, lse_ptr, ref_ptr, smem, bars, out_strides, row_strides,
-              bh, kv_head, start_m, H, NQ, NK, n_tiles, n_full,
+              bh, kv_head, start_m, H, NQ, NK, DIAGONAL, WINDOW, tiles,
               WG: gl.constexpr, HEAD_DIM: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
-              STAGES: gl.constexpr, CAUSAL: gl.constexpr, EXP: gl.constexpr, LIFT: gl.constexpr):
+              STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOWED: gl.constexpr, EXP: gl.constexpr,
+              LIFT: gl.constexpr, EMPTY_ROW: gl.constexpr):
+    lo, n_iter, full_lo, full_hi = tiles
     q_smem, k_bufs, v_bufs, ones = smem
     q_bar, k_ready, k_empty, v_ready, v_empty, turn = bars
     nw: gl.constexpr = gl.num_warps()
@@ -249,7 +261,7 @@ def _consumer(qs_ptr, ks_ptr, vs_ptr, out_ptr, lse_ptr, ref_ptr, smem, bars, out
     mbarrier.wait(q_bar, 0)
     s_zero = gl.zeros([BM, BN], gl.int32, s_layout)
 
-    # Tile 0: scores and P only; each step j then overlaps S_j with P_{j-1} V_{j-1}.
+    # The first tile: scores and P only; each step then overlaps S_j with P_{j-1} V_{j-1}.
     mbarrier.wait(k_ready.index(0), 0)
     mbarrier.wait(turn.index(WG), 0)
     s = warpgroup_mma(q, k_bufs.index(0).reshape([BN, HEAD_DIM]).permute((1, 0)), s_zero, use_acc=False,
@@ -257,20 +269,30 @@ def _consumer(qs_ptr, ks_ptr, vs_ptr, out_ptr, lse_ptr, ref_ptr, smem, bars, out
     mbarrier.arrive(turn.index(1 - WG))
     s = warpgroup_mma_wait(0, deps=(s,))
     mbarrier.arrive(k_empty.index(0))
-    x, t = _scores(s, row_t, ks_ptr, 0, rows, NK, BN, CAUSAL, True, EXP)
+    x, t = _scores(s, row_t, ks_ptr, lo, rows, NK, DIAGONAL, WINDOW, BN, CAUSAL, WINDOWED, True, EXP)
     m_i = gl.ceil(_row_max(x, t, EXP))
     state = (gl.zeros([BM, HEAD_DIM], gl.float32, o_layout), gl.zeros([BM, HEAD_DIM], gl.float32, o_layout),
              gl.zeros([BM, ONES_N], gl.float32, l_layout), gl.zeros([BM, ONES_N], gl.float32, l_layout),
              m_i, _probability(x, t[:, None], m_i[:, None], EXP), gl.full([BM], 1.0, gl.float32, row_s))
-    for j in range(1, n_full):
-        state = _step(j, state, q, s_zero, row_t, rows, ks_ptr, NK, smem, bars, WG, HEAD_DIM, BM, BN, STAGES,
-                      CAUSAL, EXP, False)
-    for j in range(n_full, n_tiles):
-        state = _step(j, state, q, s_zero, row_t, rows, ks_ptr, NK, smem, bars, WG, HEAD_DIM, BM, BN, STAGES,
-                      CAUSAL, EXP, True)
+    # Tiles lo+1 .. hi-1: masked below full_lo (a window's lower edge), unmasked up to
+    # full_hi, masked after (the diagonal, the keys' end).
+    hi = lo + n_iter
+    b1 = lo + 1
+    if WINDOWED:
+        b1 = gl.minimum(gl.maximum(full_lo, b1), hi)
+        for j in range(lo + 1, b1):
+            state = _step(j - lo, j, state, q, s_zero, row_t, rows, ks_ptr, NK, DIAGONAL, WINDOW, smem, bars, WG,
+                          HEAD_DIM, BM, BN, STAGES, CAUSAL, WINDOWED, EXP, True)
+    b2 = gl.minimum(gl.maximum(full_hi, b1), hi)
+    for j in range(b1, b2):
+        state = _step(j - lo, j, state, q, s_zero, row_t, rows, ks_ptr, NK, DIAGONAL, WINDOW, smem, bars, WG,
+                      HEAD_DIM, BM, BN, STAGES, CAUSAL, WINDOWED, EXP, False)
+    for j in range(b2, hi):
+        state = _step(j - lo, j, state, q, s_zero, row_t, rows, ks_ptr, NK, DIAGONAL, WINDOW, smem, bars, WG,
+                      HEAD_DIM, BM, BN, STAGES, CAUSAL, WINDOWED, EXP, True)
     acc, part, l_acc, l_part, m_i, p, alpha = state
-    last = (n_tiles - 1) % STAGES
-    mbarrier.wait(v_ready.index(last), ((n_tiles - 1) // STAGES) & 1)
+    last = (n_iter - 1) % STAGES
+    mbarrier.wait(v_ready.index(last), ((n_iter - 1) // STAGES) & 1)
     part, l_part = _products(p, v_bufs.index(last), ones, part, l_part, HEAD_DIM, BM, BN)
     part, l_part = warpgroup_mma_wait(0, deps=(part, l_part))
     mbarrier.arrive(v_empty.index(last))
@@ -278,26 +300,30 @@ def _consumer(qs_ptr, ks_ptr, vs_ptr, out_ptr, lse_ptr, ref_ptr, smem, bars, out
     l_acc = l_acc * gl.convert_layout(alpha, gl.SliceLayout(1, l_layout))[:, None] + l_part
     l_i = gl.convert_layout(gl.max(l_acc, 1), row_s)  # every column holds the row sum
 
+    # A row that saw no visible key (formats.EMPTY_ROW_LOG2): O = 0, LSE = -inf, reference 0.
+    empty = m_i < EMPTY_ROW
     v_scale = gl.load(vs_ptr + kv_head)
     r = gl.convert_layout(gl.div_rn(gl.full([BM], 1.0, gl.float32, row_s) * v_scale, l_i), row_o)
-    _store_rows(out_ptr, acc * r[:, None], start_m + WG * BM, 0, bh // H, bh % H, NQ, out_strides)
-    lse = (m_i + gl.log2(l_i) - LIFT) * 0.6931471805599453  # LN2
+    out = gl.where(gl.convert_layout(empty, row_o)[:, None], 0.0, acc * r[:, None])
+    _store_rows(out_ptr, out, start_m + WG * BM, 0, bh // H, bh % H, NQ, out_strides)
+    lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_i) - LIFT) * 0.6931471805599453)  # LN2
     row = bh * row_strides[0] + rows * row_strides[1]
     gl.store(lse_ptr + row, lse, mask=row_ok)
-    gl.store(ref_ptr + row, m_i, mask=row_ok)  # backward rebuilds P against it
+    gl.store(ref_ptr + row, gl.where(empty, 0.0, m_i), mask=row_ok)  # backward rebuilds P against it
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, smem, bars, bh, start_m, kv_head, n_tiles, NK,
+def _producer(q_desc, k_desc, v_desc, smem, bars, bh, start_m, kv_head, lo, n_iter, NK,
               BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr):
     q_smem, k_bufs, v_bufs, ones = smem
     q_bar, k_ready, k_empty, v_ready, v_empty, turn = bars
     mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [bh, start_m, 0], q_bar, q_smem.index(0))
     tma.async_copy_global_to_shared(q_desc, [bh, start_m + BM, 0], q_bar, q_smem.index(1))
-    for j in range(n_tiles):
-        s = j % STAGES
-        phase = (j // STAGES) & 1
+    for i in range(n_iter):
+        s = i % STAGES
+        phase = (i // STAGES) & 1
+        j = lo + i
         mbarrier.wait(k_empty.index(s), phase ^ 1)  # a fresh barrier counts as released
         mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
         # K in 16-key chunks of all heads in a row (NK % 16 == 0), see _key_order
@@ -309,22 +335,33 @@ def _producer(q_desc, k_desc, v_desc, smem, bars, bh, start_m, kv_head, n_tiles,
 
 
 @gluon.jit
-def _program_tiles(NK, GROUP, BM: gl.constexpr, BN: gl.constexpr, CAUSAL: gl.constexpr):
+def _program_tiles(NK, GROUP, DIAGONAL, WINDOW, BM: gl.constexpr, BN: gl.constexpr, CAUSAL: gl.constexpr,
+                   WINDOWED: gl.constexpr):
     """A program's first query row (two warpgroups of BM rows), (batch, head), shared K/V
-    head (GQA/MQA: H is a multiple of GROUP), key tiles, and n_full: tiles 1 .. n_full - 1
-    need no mask, being wholly inside the keys and (causal) at or below the diagonal of
-    the program's first row.  Both warpgroups walk the same tiles.  Causal: the last query
-    rows walk the most key tiles, so they launch first."""
+    head (GQA/MQA: H is a multiple of GROUP) and its key tiles (lo, count, full_lo,
+    full_hi): tiles lo .. lo + count - 1 hold every key the structure shows any of its rows
+    (at least one tile, whose keys may all be hidden), and tiles full_lo .. full_hi - 1
+    need no mask, being wholly inside the keys and visible to every row.  Both
+    warpgroups walk the same tiles.  Causal: the last query rows walk the most key tiles,
+    so they launch first."""
     pid_m = gl.num_programs(0) - 1 - gl.program_id(0) if CAUSAL else gl.program_id(0)
     start_m = pid_m * 2 * BM
     bh = gl.program_id(1)
+    tiles = gl.cdiv(NK, BN)
+    lo = tiles * 0
+    hi = tiles
+    full_lo = lo
+    full_hi = NK // BN
     if CAUSAL:
-        n_tiles = gl.cdiv(gl.minimum(NK, start_m + 2 * BM), BN)
-        n_full = gl.maximum(gl.minimum(NK, start_m) // BN, 1)
-    else:
-        n_tiles = gl.cdiv(NK, BN)
-        n_full = gl.maximum(NK // BN, 1)
-    return start_m, bh, bh // GROUP, n_tiles, n_full
+        first = start_m + DIAGONAL  # the last key visible to the program's first row
+        last = first + 2 * BM - 1  # and to its last
+        hi = gl.minimum(gl.cdiv(gl.maximum(last + 1, 0), BN), tiles)
+        full_hi = gl.minimum(gl.maximum(first + 1, 0) // BN, full_hi)
+        if WINDOWED:
+            lo = gl.minimum(gl.maximum(first - WINDOW + 1, 0) // BN, tiles - 1)
+            full_lo = gl.cdiv(gl.maximum(last - WINDOW + 1, 0), BN)
+    hi = gl.maximum(hi, lo + 1)
+    return start_m, bh, bh // GROUP, (lo, hi - lo, full_lo, full_hi)
 
 
 @gluon.jit
@@ -361,11 +398,12 @@ def _ping_pong_barriers(STAGES: gl.constexpr):
 @gluon.jit
 def _fwd_ws(q_desc, k_desc, v_desc, qs_ptr, ks_ptr, vs_ptr, out_ptr, lse_ptr, ref_ptr,
             stride_ob, stride_oh, stride_om, stride_od, stride_rb, stride_rm, stride_ksb,
-            H, GROUP, NQ, NK,
+            H, GROUP, NQ, NK, DIAGONAL, WINDOW,
             HEAD_DIM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-            EXP: gl.constexpr, LIFT: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+            WINDOWED: gl.constexpr, EXP: gl.constexpr, LIFT: gl.constexpr, EMPTY_ROW: gl.constexpr,
+            CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     BM: gl.constexpr = q_desc.block_type.shape[1]
-    start_m, bh, kv_head, n_tiles, n_full = _program_tiles(NK, GROUP, BM, BN, CAUSAL)
+    start_m, bh, kv_head, tiles = _program_tiles(NK, GROUP, DIAGONAL, WINDOW, BM, BN, CAUSAL, WINDOWED)
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
     k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
@@ -385,10 +423,13 @@ def _fwd_ws(q_desc, k_desc, v_desc, qs_ptr, ks_ptr, vs_ptr, out_ptr, lse_ptr, re
     ks_head = ks_ptr + kv_head * stride_ksb
     gl.warp_specialize([
         (_consumer, (qs_ptr, ks_head, vs_ptr, out_ptr, lse_ptr, ref_ptr, smem, bars, out_strides, row_strides,
-                     bh, kv_head, start_m, H, NQ, NK, n_tiles, n_full, 0, HEAD_DIM, BM, BN, STAGES, CAUSAL, EXP, LIFT)),
+                     bh, kv_head, start_m, H, NQ, NK, DIAGONAL, WINDOW, tiles, 0, HEAD_DIM, BM, BN, STAGES, CAUSAL,
+                     WINDOWED, EXP, LIFT, EMPTY_ROW)),
         (_consumer, (qs_ptr, ks_head, vs_ptr, out_ptr, lse_ptr, ref_ptr, smem, bars, out_strides, row_strides,
-                     bh, kv_head, start_m, H, NQ, NK, n_tiles, n_full, 1, HEAD_DIM, BM, BN, STAGES, CAUSAL, EXP, LIFT)),
-        (_producer, (q_desc, k_desc, v_desc, smem, bars, bh, start_m, kv_head, n_tiles, NK, BM, BN, STAGES)),
+                     bh, kv_head, start_m, H, NQ, NK, DIAGONAL, WINDOW, tiles, 1, HEAD_DIM, BM, BN, STAGES, CAUSAL,
+                     WINDOWED, EXP, LIFT, EMPTY_ROW)),
+        (_producer, (q_desc, k_desc, v_desc, smem, bars, bh, start_m, kv_head, tiles[0], tiles[1], NK, BM, BN,
+                     STAGES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -418,13 +459,15 @@ def _default_layout(block: tuple, dtype):
     return gl.NVMMASharedLayout.get_default_for(list(block), dtype)
 
 
-def _constexprs(d: int, causal: bool, p_mode: str) -> dict:
-    return dict(HEAD_DIM=d, BN=BLOCK_N, STAGES=NUM_STAGES, CAUSAL=bool(causal), EXP=p_mode == "exp",
-                LIFT=F.p_lift(p_mode), **_REGS)
+def _constexprs(d: int, causal: bool, p_mode: str, windowed: bool = False) -> dict:
+    return dict(HEAD_DIM=d, BN=BLOCK_N, STAGES=NUM_STAGES, CAUSAL=bool(causal), WINDOWED=bool(causal and windowed),
+                EXP=p_mode == "exp", LIFT=F.p_lift(p_mode), EMPTY_ROW=F.EMPTY_ROW_LOG2, **_REGS)
 
 
-def attention_forward(q, k, v_t, q_scale, k_scale, v_scale, bias, causal, p_mode, out, lse, row_ref):
-    """The Triton launcher's contract, for the calls ``supports`` accepts."""
+def attention_forward(q, k, v_t, q_scale, k_scale, v_scale, bias, causal, p_mode, out, lse, row_ref, diagonal=0,
+                      window=0):
+    """The Triton launcher's contract, for the calls ``supports`` accepts: the causal
+    structure of ``formats.visible`` (``diagonal``, ``window``) too."""
     assert supports(q, k, v_t, q_scale, bias, p_mode, lse, row_ref)
     b, h, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
@@ -438,7 +481,8 @@ def attention_forward(q, k, v_t, q_scale, k_scale, v_scale, bias, causal, p_mode
     _fwd_ws[(triton.cdiv(nq, 2 * BM_WG), b * h)](
         q_desc, k_desc, v_desc, q_scale.float(), k_scale, v_scale, out, lse, row_ref,
         *out.stride(), lse.stride(1), lse.stride(2), k_scale.stride(0), h, h // hkv, nq, nk,
-        **_constexprs(d, causal, p_mode), **_LAUNCH)
+        int(diagonal) if causal else 0, int(window) if causal else 0,
+        **_constexprs(d, causal, p_mode, bool(window)), **_LAUNCH)
 
 
 def _tensor_desc(dt: str, block: list[int], dtype) -> str:
@@ -458,10 +502,10 @@ def _compile_sm90(kernel, sig: dict, consts: dict, launch: dict = _LAUNCH):
                           options=launch)
 
 
-def compile_for_sm90(d: int, causal: bool, p_mode: str = "direct"):
+def compile_for_sm90(d: int, causal: bool, p_mode: str = "direct", windowed: bool = False):
     """Compile without a GPU (Triton's bundled ptxas), for inspection: the compiled kernel."""
     sig = {"q_desc": _tensor_desc("i8", [1, BM_WG, d], gl.int8),
            "k_desc": _tensor_desc("i8", [BLOCK_N // 16, 2, 4, 2, d], gl.int8),
            "v_desc": _tensor_desc("fp8e4nv", [1, d, BLOCK_N], gl.float8e4nv), "qs_ptr": "*fp32", "ks_ptr": "*fp32",
            "vs_ptr": "*fp32", "out_ptr": "*bf16", "lse_ptr": "*fp32", "ref_ptr": "*fp32"}
-    return _compile_sm90(_fwd_ws, sig, _constexprs(d, causal, p_mode))
+    return _compile_sm90(_fwd_ws, sig, _constexprs(d, causal, p_mode, windowed))
