@@ -34,13 +34,10 @@ SHAPES = [(4, 16, 16, 4096, 128), (8, 16, 16, 2048, 128), (4, 32, 32, 4096, 64),
 DEFAULT = dict(_Q_ROWS=16, _K_TILE=16, _V_ROWS=32, _WARPS=8, _STATS_TILE=32, _STATS_WARPS=4, _STATS_STAGES=1)
 VARIANTS = {
     "shipped": {},
-    "stats tile 64, 3 stages": dict(_STATS_TILE=64, _STATS_STAGES=3),
-    "stats 8 warps, tile 64": dict(_STATS_TILE=64, _STATS_WARPS=8),
-    "Q/V rows 32/64": dict(_Q_ROWS=32, _V_ROWS=64),
-    "Q/V rows 8/16": dict(_Q_ROWS=8, _V_ROWS=16),
     "4 warps": dict(_WARPS=4),
-    "4 warps, Q/V rows 8/16": dict(_WARPS=4, _Q_ROWS=8, _V_ROWS=16),
-    "K tile 32": dict(_K_TILE=32),
+    "Q/V rows 32/64": dict(_Q_ROWS=32, _V_ROWS=64),
+    "4 warps, Q/V rows 32/64": dict(_WARPS=4, _Q_ROWS=32, _V_ROWS=64),
+    "stats tile 64, 3 stages": dict(_STATS_TILE=64, _STATS_STAGES=3),
 }
 
 

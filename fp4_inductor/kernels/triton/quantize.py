@@ -2,14 +2,14 @@
 
 Computes ``formats.quantize_q``, ``quantize_k`` and ``quantize_v(fmt="fp8")``:
 
-1. ``_v_amax``: per (batch, KV head, chunk of tokens) the absolute maximum of V (for its
-   per-head scale), as partials.
+1. ``_stats``: per (batch, KV head, chunk of tokens) the absolute maximum of V (for its
+   per-head scale), as partials, and per head K's smoothing mean, over
+   ``formats.K_MEAN_SAMPLES`` tokens spread over the sequence.
 2. ``_quantize``: programs of three kinds, each on one small tile: V rows (E4M3 with the
    head's scale, stored K-major), one 128-token K block (smoothed INT8, one scale), Q rows
    (INT8, a scale per token).  V programs reduce the partials in a fixed order, so the
-   result is deterministic; they run first, on the tokens ``_v_amax`` read last, which
-   L2 may still hold.  K's smoothing mean is over ``formats.K_MEAN_SAMPLES`` tokens spread
-   over the sequence, which every K program of a head reads (from L2 after the first).
+   result is deterministic; they run first, on the tokens ``_stats`` read last, which
+   L2 may still hold.
 
 Bytes: Q and K read once, V twice, the 8-bit codes written once.  Values are scaled as
 ``formats._per_scale`` does (an IEEE reciprocal per scale, then a multiplication) and
@@ -73,21 +73,36 @@ def _store_rows(OUT, bh, rows, N, values, D: tl.constexpr, HEAD_DIM: tl.constexp
 
 
 @triton.jit
-def _v_amax(V, VMAX, N, CHUNK, stride_vb, stride_vh, stride_vn, stride_vd, HKV,
-            D_V: tl.constexpr, HEAD_DIM_V: tl.constexpr, TILE: tl.constexpr):
-    # Heads vary fastest: the last programs read the last chunk of every head, which the
-    # V programs of _quantize take first.
+def _stats(K, V, KMEAN, VMAX, N, CHUNK, HKV,
+           stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd,
+           D_QK: tl.constexpr, D_V: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+           TILE: tl.constexpr, SAMPLES: tl.constexpr, SAMPLE_TILE: tl.constexpr):
+    # Per head: programs 0 .. chunks - 1 the partial amax of V over a chunk of tokens; the
+    # last one K's smoothing mean (formats.smooth_k: of the tokens i * N // S, i < S =
+    # min(N, SAMPLES)).  Heads vary fastest: the last programs read the last chunk of every
+    # head's V, which the V programs of _quantize take first.
     bh = tl.program_id(0)
     chunk = tl.program_id(1)
     b = (bh // HKV).to(tl.int64)
     h = (bh % HKV).to(tl.int64)
-    v_max = tl.zeros([TILE, HEAD_DIM_V], tl.float32)
-    start = chunk * CHUNK
-    for n0 in range(start, tl.minimum(start + CHUNK, N), TILE):
-        rows = n0 + tl.arange(0, TILE)
-        v = _load_rows(V, b, h, rows, N, stride_vb, stride_vh, stride_vn, stride_vd, D_V, HEAD_DIM_V)
-        v_max = tl.maximum(v_max, tl.where(tl.abs(v) < float("inf"), tl.abs(v), 0.0))  # formats.finite_amax
-    tl.store(VMAX + bh * tl.num_programs(1) + chunk, tl.max(tl.max(v_max, 1), 0))
+    if chunk == tl.num_programs(1) - 1:
+        count = tl.minimum(N, SAMPLES)
+        k_sum = tl.zeros([HEAD_DIM], tl.float32)
+        for r in range(0, SAMPLES, SAMPLE_TILE):
+            i = r + tl.arange(0, SAMPLE_TILE)
+            rows = tl.where(i < count, (i.to(tl.int64) * N // count).to(tl.int32), N)  # N: masked off
+            k_sum += tl.sum(_load_rows(K, b, h, rows, N, stride_kb, stride_kh, stride_kn, stride_kd, D_QK, HEAD_DIM),
+                            axis=0)
+        mean = tl.math.div_rn(k_sum, tl.zeros([HEAD_DIM], tl.float32) + count.to(tl.float32))
+        tl.store(KMEAN + bh * HEAD_DIM + tl.arange(0, HEAD_DIM), mean)
+    else:
+        v_max = tl.zeros([TILE, HEAD_DIM_V], tl.float32)
+        start = chunk * CHUNK
+        for n0 in range(start, tl.minimum(start + CHUNK, N), TILE):
+            rows = n0 + tl.arange(0, TILE)
+            v = _load_rows(V, b, h, rows, N, stride_vb, stride_vh, stride_vn, stride_vd, D_V, HEAD_DIM_V)
+            v_max = tl.maximum(v_max, tl.where(tl.abs(v) < float("inf"), tl.abs(v), 0.0))  # formats.finite_amax
+        tl.store(VMAX + bh * (tl.num_programs(1) - 1) + chunk, tl.max(tl.max(v_max, 1), 0))
 
 
 @triton.jit
@@ -123,27 +138,13 @@ def _q_rows(pid, Q, Q8, QS, sm_scale, H, NQ, stride_qb, stride_qh, stride_qn, st
 
 
 @triton.jit
-def _sample_mean(K, b, h, NK, stride_kb, stride_kh, stride_kn, stride_kd,
-                 D: tl.constexpr, HEAD_DIM: tl.constexpr, SAMPLES: tl.constexpr, TILE: tl.constexpr):
-    """formats.smooth_k's mean: of the tokens i * NK // S, i < S = min(NK, SAMPLES)."""
-    count = tl.minimum(NK, SAMPLES)
-    k_sum = tl.zeros([HEAD_DIM], tl.float32)
-    for r in range(0, SAMPLES, TILE):
-        i = r + tl.arange(0, TILE)
-        rows = tl.where(i < count, (i.to(tl.int64) * NK // count).to(tl.int32), NK)  # NK: masked off
-        k_sum += tl.sum(_load_rows(K, b, h, rows, NK, stride_kb, stride_kh, stride_kn, stride_kd, D, HEAD_DIM),
-                        axis=0)
-    return tl.math.div_rn(k_sum, tl.zeros([HEAD_DIM], tl.float32) + count.to(tl.float32))
-
-
-@triton.jit
-def _k_block(pid, K, K8, KS, HKV, NK, stride_kb, stride_kh, stride_kn, stride_kd,
+def _k_block(pid, K, K8, KS, KMEAN, HKV, NK, stride_kb, stride_kh, stride_kn, stride_kd,
              D: tl.constexpr, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, TILE: tl.constexpr,
-             SAMPLES: tl.constexpr, EMULATE: tl.constexpr):
+             EMULATE: tl.constexpr):
     # The block is read twice in TILE-row pieces (the second time from cache): its scale
     # needs the whole block, which in registers would take all 255 a thread has.
     bh, block, b, h = _tile_of(pid, NK, HKV, ROWS)
-    mean = _sample_mean(K, b, h, NK, stride_kb, stride_kh, stride_kn, stride_kd, D, HEAD_DIM, SAMPLES, TILE)
+    mean = tl.load(KMEAN + bh * HEAD_DIM + tl.arange(0, HEAD_DIM))
     amax = tl.zeros([TILE, HEAD_DIM], tl.float32)
     for r in range(0, ROWS, TILE):
         rows = block * ROWS + r + tl.arange(0, TILE)
@@ -164,7 +165,7 @@ def _k_block(pid, K, K8, KS, HKV, NK, stride_kb, stride_kh, stride_kn, stride_kd
 @triton.jit
 def _v_rows(pid, V, VT, VS, VMAX, HKV, KV_HEADS, NK, N_CHUNKS, stride_vb, stride_vh, stride_vn, stride_vd,
             D: tl.constexpr, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, EMULATE: tl.constexpr):
-    # The last tiles of every head first: the tokens _v_amax read last.
+    # The last tiles of every head first: the tokens _stats read last.
     bh = pid % KV_HEADS
     tile = tl.cdiv(NK, ROWS) - 1 - pid // KV_HEADS
     b, h = (bh // HKV).to(tl.int64), (bh % HKV).to(tl.int64)
@@ -189,22 +190,22 @@ def _v_rows(pid, V, VT, VS, VMAX, HKV, KV_HEADS, NK, N_CHUNKS, stride_vb, stride
 
 
 @triton.jit
-def _quantize(Q, K, V, Q8, QS, K8, KS, VT, VS, VMAX,
+def _quantize(Q, K, V, Q8, QS, K8, KS, VT, VS, KMEAN, VMAX,
               sm_scale, H, HKV, KV_HEADS, NQ, NK, N_V_PROGRAMS, N_K_PROGRAMS, N_CHUNKS,
               stride_qb, stride_qh, stride_qn, stride_qd,
               stride_kb, stride_kh, stride_kn, stride_kd,
               stride_vb, stride_vh, stride_vn, stride_vd,
               D_QK: tl.constexpr, D_V: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
               Q_ROWS: tl.constexpr, K_BLOCK: tl.constexpr, K_TILE: tl.constexpr, V_ROWS: tl.constexpr,
-              K_SAMPLES: tl.constexpr, EMULATE: tl.constexpr):
+              EMULATE: tl.constexpr):
     # Three kinds of programs, each on one small tile (few registers, many programs in flight).
     pid = tl.program_id(0)
     if pid < N_V_PROGRAMS:
         _v_rows(pid, V, VT, VS, VMAX, HKV, KV_HEADS, NK, N_CHUNKS,
                 stride_vb, stride_vh, stride_vn, stride_vd, D_V, HEAD_DIM_V, V_ROWS, EMULATE)
     elif pid < N_V_PROGRAMS + N_K_PROGRAMS:
-        _k_block(pid - N_V_PROGRAMS, K, K8, KS, HKV, NK, stride_kb, stride_kh, stride_kn, stride_kd,
-                 D_QK, HEAD_DIM, K_BLOCK, K_TILE, K_SAMPLES, EMULATE)
+        _k_block(pid - N_V_PROGRAMS, K, K8, KS, KMEAN, HKV, NK, stride_kb, stride_kh, stride_kn, stride_kd,
+                 D_QK, HEAD_DIM, K_BLOCK, K_TILE, EMULATE)
     else:
         _q_rows(pid - N_V_PROGRAMS - N_K_PROGRAMS, Q, Q8, QS, sm_scale, H, NQ, stride_qb, stride_qh, stride_qn,
                 stride_qd, D_QK, HEAD_DIM, Q_ROWS, EMULATE)
@@ -232,16 +233,18 @@ def quantize_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale:
     chunk = triton.cdiv(tiles, chunks) * _STATS_TILE
     chunks = triton.cdiv(nk, chunk)
     dims = dict(D_QK=d, D_V=dv, HEAD_DIM=F.kernel_head_dim(d), HEAD_DIM_V=F.kernel_head_dim(dv))
+    k_mean = torch.empty(b * hkv, dims["HEAD_DIM"], dtype=torch.float32, device=dev)
     v_max = torch.empty(b * hkv, chunks, dtype=torch.float32, device=dev)
-    _v_amax[(b * hkv, chunks)](v, v_max, nk, chunk, *v.stride(), hkv, D_V=dv, HEAD_DIM_V=dims["HEAD_DIM_V"],
-                               TILE=_STATS_TILE, num_warps=_STATS_WARPS, num_stages=_STATS_STAGES)
+    _stats[(b * hkv, chunks + 1)](k, v, k_mean, v_max, nk, chunk, hkv, *k.stride(), *v.stride(), **dims,
+                                  TILE=_STATS_TILE, SAMPLES=F.K_MEAN_SAMPLES, SAMPLE_TILE=_K_TILE,
+                                  num_warps=_STATS_WARPS, num_stages=_STATS_STAGES)
     v_programs = b * hkv * triton.cdiv(nk, _V_ROWS)
     k_programs = b * hkv * triton.cdiv(nk, F.SCALE_BLOCK)
     grid = (v_programs + k_programs + b * h * triton.cdiv(nq, _Q_ROWS),)
-    _quantize[grid](q, k, v, q8, q_scale, k8, k_scale, v_t, v_scale, v_max,
+    _quantize[grid](q, k, v, q8, q_scale, k8, k_scale, v_t, v_scale, k_mean, v_max,
                     float(sm_scale), h, hkv, b * hkv, nq, nk, v_programs, k_programs, chunks,
                     *q.stride(), *k.stride(), *v.stride(),
                     **dims, Q_ROWS=_Q_ROWS, K_BLOCK=F.SCALE_BLOCK, K_TILE=_K_TILE, V_ROWS=_V_ROWS,
-                    K_SAMPLES=F.K_MEAN_SAMPLES, EMULATE=os.environ.get("TRITON_INTERPRET", "0") == "1",
+                    EMULATE=os.environ.get("TRITON_INTERPRET", "0") == "1",
                     num_warps=_WARPS, num_stages=1)
     return q8, k8, v_t, q_scale, k_scale, v_scale
