@@ -46,12 +46,14 @@ def fa3_shape(n: int, d: int, total_tokens: int = 16384, width: int = 2048) -> t
 
 
 def quantized_inputs(b, h, hkv, nq, nk, d, p_mode, device="cuda", dtype=torch.bfloat16, sm_scale=None):
-    """Gaussian Q, K, V and their quantized forms (formats.py), on ``device``."""
+    """Gaussian Q, K, V and their quantized forms (formats.py), contiguous as
+    ``fp4attn::quantize`` returns them, on ``device``."""
     q = torch.randn(b, h, nq, d, device=device, dtype=dtype)
     k = torch.randn(b, hkv, nk, d, device=device, dtype=dtype)
     v = torch.randn(b, hkv, nk, d, device=device, dtype=dtype)
     scale = d ** -0.5 if sm_scale is None else sm_scale
-    return (q, k, v), F.quantize_inputs(q, k, v, scale, "fp4" if p_mode == "fp4" else "fp8")
+    ops = F.quantize_inputs(q, k, v, scale, "fp4" if p_mode == "fp4" else "fp8")
+    return (q, k, v), tuple(t.contiguous() for t in ops)
 
 
 def empty_outputs(b, h, nq, d, dtype=torch.bfloat16, device="cuda", fill=float("nan")):
