@@ -234,8 +234,9 @@ def quantize_v(v: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
         scale = torch.exp2(exp)  # container holds at most 6: exact E2M1 times 2**k
     else:
         scale = _amax_scale(amax, E4M3_MAX)
-    codes = _cast(_per_scale(vf, scale[..., None, None]), E4M3, E4M3_MAX)
-    codes = torch.where(torch.isfinite(vf), codes, torch.full((), math.nan, dtype=E4M3))
+    # An Inf or NaN element becomes the NaN code (the cast keeps NaN; Inf would saturate).
+    scaled = torch.where(torch.isfinite(vf), _per_scale(vf, scale[..., None, None]), math.nan)
+    codes = _cast(scaled, E4M3, E4M3_MAX)
     return codes.transpose(-1, -2).contiguous(), scale
 
 

@@ -34,22 +34,29 @@ def launched(monkeypatch):
     return calls
 
 
-def _launch(p_mode, causal, nq, nk, bias=None, d=128, diagonal=0, window=0):
-    q, k, v_t = torch.empty(1, 2, nq, d), torch.empty(1, 2, nk, d), torch.empty(1, 2, d, nk)
-    rows = torch.empty(1, 2, nq)
+def _launch(p_mode, causal, nq, nk, bias=None, d=128, diagonal=0, window=0, b=2, h=8):
+    q, k, v_t = torch.empty(b, h, nq, d), torch.empty(b, h, nk, d), torch.empty(b, h, d, nk)
+    rows = torch.empty(b, h, nq)
     kernels._forward(q, k, v_t, rows, None, None, bias, causal, p_mode, q, rows, rows, diagonal, window)
 
 
 @pytest.mark.parametrize("p_mode,causal,nq,nk,bias,expected,extra", [
     ("direct", True, 8192, 8192, None, "gluon", {"diagonal": 4}),  # a causal offset
     ("direct", True, 8192, 8192, None, "gluon", {"window": 4096}),  # a window
+    ("direct", True, 8192, 8192, None, "triton", {"window": 4096, "d": 64}),  # measured slower at D = 64
     ("direct", False, 8192, 8192, None, "triton", {"d": 96}),  # head dims the Gluon kernel lacks
-    ("direct", False, 4096, 4096, None, "gluon", {}),
-    ("direct", False, 4080, 4080, None, "triton", {}),  # below GLUON_MIN_KEYS
+    ("direct", False, 2048, 2048, None, "gluon", {}),
+    ("direct", False, 2032, 2032, None, "triton", {}),  # below GLUON_MIN_KEYS at D = 128
+    ("direct", False, 2048, 2048, None, "triton", {"d": 64}),  # D = 64 needs more keys
+    ("direct", False, 4096, 4096, None, "gluon", {"d": 64}),
     ("direct", False, 4104, 4104, None, "triton", {}),  # keys not a multiple of 16
-    ("direct", False, 1, 8192, None, "triton", {}),  # decode: unmeasured for Gluon
-    ("direct", True, 4096, 4096, None, "triton", {}),  # causal needs more keys
-    ("direct", True, 8192, 8192, None, "gluon", {}),
+    ("direct", False, 1, 8192, None, "triton", {}),  # decode
+    ("direct", False, 256, 8192, None, "gluon", {"b": 16, "h": 8}),  # few queries, enough rows
+    ("direct", False, 256, 8192, None, "triton", {}),  # too few query rows for the GPU
+    ("direct", False, 256, 8192, None, "triton", {"b": 16, "h": 8, "d": 64}),  # D = 64 needs 1024 queries
+    ("direct", True, 2048, 2048, None, "triton", {}),  # causal needs more keys
+    ("direct", True, 4096, 4096, None, "gluon", {}),
+    ("direct", True, 4096, 4096, None, "triton", {"d": 64}),
     ("direct", False, 4096, 4096, torch.zeros(1), "triton", {}),  # outside the Gluon kernel's scope
     ("exp", False, 8192, 8192, None, "triton", {}),  # measured faster on Triton
     ("fp4", False, 8192, 8192, None, "triton", {}),

@@ -3,7 +3,7 @@ operands (P mode direct), by query and key count, D = 64 and 128, causal (as man
 as keys: the Gluon kernel takes SDPA's top-left structure only) and not (also few
 queries: cross attention, chunked prefill over a full prefix), and causal with a 4096-key
 sliding window (TFLOP/s counted on the visible pairs, next to plain causal's).  The data
-behind ``kernels.GLUON_MIN_KEYS`` (H200).
+behind ``kernels.GLUON_MIN_KEYS`` and ``_gluon_wins`` (H200).
 
     python benchmarks/lab/explore_dispatch.py
 

@@ -69,22 +69,37 @@ def quantize_kernel(q: torch.Tensor, fmt: str):
 def forward_kernel(q: torch.Tensor, p_mode: str):
     """The sm_90 forward launcher for supported head dims, else None: the warp-specialised
     Gluon kernel for P mode direct where it covers the call (``_gluon_scope`` and
-    ``kernels.gluon.attention_fwd.supports``) and both the queries and the keys reach
-    ``GLUON_MIN_KEYS``, the Triton kernel for the rest (shorter rows, P modes exp and fp4,
-    biases and masks, other head dims, Nk not a multiple of 16); the choice is made per
-    call, in ``_forward``."""
+    ``kernels.gluon.attention_fwd.supports``) and measured faster (``_gluon_wins``), the
+    Triton kernel for the rest (shorter rows, few queries, P modes exp and fp4, biases and
+    masks, other head dims, Nk not a multiple of 16); the choice is made per call, in
+    ``_forward``."""
     if not _applies(q) or p_mode not in P_MODES:
         return None
     return _forward if _module("triton", "attention_fwd") is not None else None
 
 
-# Lengths (by causal) from which the Gluon kernel beat the Triton one at D = 64 and 128 on
-# the H200 in P mode direct, measured with as many queries as keys
-# (benchmarks/results/forward_h200.json): it runs one program of 128 query rows per SM,
-# whose pipeline fill and drain weigh on rows of few key tiles; with fewer queries
-# (decode, chunked prefill) it is unmeasured, so those calls stay on Triton.  Its exp mode
-# (the Direct-P ablation) measured slower than the Triton kernel's: exp stays on Triton.
-GLUON_MIN_KEYS = {False: 4096, True: 8192}
+# Where the Gluon kernel beat the Triton one in P mode direct on the H200, both on the same
+# operands (benchmarks/lab/explore_dispatch.py, results/lab/explore_dispatch_h200.json,
+# 2026-12-02): keys per (D, causal) and queries per sequence from which it won, and enough
+# query rows (B H Nq) for one of its 128-row programs per SM (with fewer it lost: 0.76x at
+# 256 queries of 8k keys, 64 programs).  Below these its pipeline fill and drain weigh on
+# rows of few key tiles.  D = 64 with a sliding window ran 0.78x Triton's speed: Triton.
+# Its exp mode (the Direct-P ablation) measured slower than the Triton kernel's: Triton.
+GLUON_MIN_KEYS = {(128, False): 2048, (128, True): 4096, (64, False): 4096, (64, True): 8192}
+GLUON_MIN_QUERIES = {128: 256, 64: 1024}
+GLUON_MIN_ROWS = 128 * 132
+
+
+def _gluon_wins(q, k, causal, window) -> bool:
+    """Whether the measured crossovers above give this call to the Gluon kernel (D in
+    {64, 128}, ``_gluon_scope``)."""
+    b, h, nq, d = q.shape
+    if window and d == 64:
+        return False
+    return (k.shape[2] >= GLUON_MIN_KEYS[(d, bool(causal))] and nq >= GLUON_MIN_QUERIES[d]
+            and b * h * nq >= GLUON_MIN_ROWS)
+
+
 _gluon_failed: set[str] = set()  # Gluon modules whose launch failed once: not tried again
 
 
@@ -107,8 +122,8 @@ def _run_gluon(module: str, what: str, launch: str, supports_args: tuple, args: 
 
 def _forward(q, k, v_t, q_scale, k_scale, v_scale, bias, causal, p_mode, out, lse, row_ref, diagonal=0, window=0):
     args = (q, k, v_t, q_scale, k_scale, v_scale, bias, causal, p_mode, out, lse, row_ref, diagonal, window)
-    if p_mode == "direct" and min(q.shape[2], k.shape[2]) >= GLUON_MIN_KEYS[bool(causal)] \
-            and _gluon_scope(q, v_t, causal, diagonal, window, structures=True) \
+    if p_mode == "direct" and _gluon_scope(q, v_t, causal, diagonal, window, structures=True) \
+            and _gluon_wins(q, k, causal, window) \
             and _run_gluon("attention_fwd", "forward", "attention_forward",
                            (q, k, v_t, q_scale, bias, p_mode, lse, row_ref), args):
         return
