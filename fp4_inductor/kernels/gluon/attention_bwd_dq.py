@@ -101,9 +101,9 @@ def _step(j, dq, q, do, rows, row_t, r, delta, dov_scale, ks_ptr, kes_ptr, NK, m
     s, dp = warpgroup_mma_wait(0, deps=(s, dp))
     mbarrier.arrive(kv_empty.index(stage))
     if masked:
-        x, t = _scores(s, row_t, ks_ptr, j, rows, NK, BN, CAUSAL, True, False)
+        x, t = _scores(s, row_t, ks_ptr, j, rows, NK, 0, 0, BN, CAUSAL, False, True, False)
     else:
-        x, t = _scores(s, row_t, ks_ptr, j, rows, NK, BN, CAUSAL, False, False)
+        x, t = _scores(s, row_t, ks_ptr, j, rows, NK, 0, 0, BN, CAUSAL, False, False, False)
     p = _probability(x, t[:, None], r[:, None], False).to(gl.float32)
     ds8, ds_scale = _ds_operand(p, dp, delta[:, None], dov_scale)
     mbarrier.wait(ke_ready.index(stage), phase)
@@ -186,7 +186,10 @@ def _dq_ws(q_desc, do_desc, k_desc, v_desc, ke_desc, qs_ptr, ks_ptr, kes_ptr, do
            HEAD_DIM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
            CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     BM: gl.constexpr = q_desc.block_type.shape[2]
-    start_m, bh, kv_head, n_tiles, n_full = _program_tiles(NK, GROUP, BM, BN, CAUSAL)
+    # SDPA's causal structure (top-left) or none: the tiles start at 0; tile 0 is always
+    # treated as masked, so the unmasked run starts at 1.
+    start_m, bh, kv_head, tiles = _program_tiles(NK, GROUP, 0, 0, BM, BN, CAUSAL, False)
+    n_tiles, n_full = tiles[1], gl.maximum(tiles[3], 1)
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
     do_smem = gl.allocate_shared_memory(do_desc.dtype, [2] + do_desc.block_type.shape, do_desc.layout)
     k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
