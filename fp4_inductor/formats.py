@@ -186,10 +186,10 @@ def smooth_k(k: torch.Tensor) -> torch.Tensor:
 
     Any vector shared by a head's keys leaves the softmax alone; the mean of
     ``K_MEAN_SAMPLES`` tokens spread over the sequence rather than of all of them lets the
-    quantization kernel read K once (each block's program reads the samples, from L2).
-    With rotary embeddings a local mean (the first block's) would be worse than none; the
-    spread sample is within 0.0006 rel-L2 of the full mean on Gaussian, rotary and
-    MiniLM inputs (benchmarks/lab/explore_k_smoothing.py)."""
+    quantization kernel read K once (a small kernel reads the samples first).  With rotary
+    embeddings a local mean (the first block's) would be worse than none; the spread
+    sample is within 0.0007 rel-L2 of the full mean on Gaussian, rotary and MiniLM inputs
+    (benchmarks/lab/explore_k_smoothing.py)."""
     kf = k.float()
     n = kf.shape[-2]
     count = min(n, K_MEAN_SAMPLES)

@@ -43,6 +43,7 @@ def _launch(p_mode, causal, nq, nk, bias=None, d=128, diagonal=0, window=0, b=2,
 @pytest.mark.parametrize("p_mode,causal,nq,nk,bias,expected,extra", [
     ("direct", True, 8192, 8192, None, "gluon", {"diagonal": 4}),  # a causal offset
     ("direct", True, 8192, 8192, None, "gluon", {"window": 4096}),  # a window
+    ("direct", True, 8192, 8192, None, "triton", {"window": 1024}),  # a window of few tiles: unmeasured
     ("direct", True, 8192, 8192, None, "triton", {"window": 4096, "d": 64}),  # measured slower at D = 64
     ("direct", False, 8192, 8192, None, "triton", {"d": 96}),  # head dims the Gluon kernel lacks
     ("direct", False, 2048, 2048, None, "gluon", {}),
@@ -51,9 +52,9 @@ def _launch(p_mode, causal, nq, nk, bias=None, d=128, diagonal=0, window=0, b=2,
     ("direct", False, 4096, 4096, None, "gluon", {"d": 64}),
     ("direct", False, 4104, 4104, None, "triton", {}),  # keys not a multiple of 16
     ("direct", False, 1, 8192, None, "triton", {}),  # decode
-    ("direct", False, 256, 8192, None, "gluon", {"b": 16, "h": 8}),  # few queries, enough rows
+    ("direct", False, 256, 8192, None, "gluon", {"b": 8, "h": 8}),  # few queries, 128 programs
     ("direct", False, 256, 8192, None, "triton", {}),  # too few query rows for the GPU
-    ("direct", False, 256, 8192, None, "triton", {"b": 16, "h": 8, "d": 64}),  # D = 64 needs 1024 queries
+    ("direct", False, 256, 8192, None, "triton", {"b": 8, "h": 8, "d": 64}),  # D = 64 needs 1024 queries
     ("direct", True, 2048, 2048, None, "triton", {}),  # causal needs more keys
     ("direct", True, 4096, 4096, None, "gluon", {}),
     ("direct", True, 4096, 4096, None, "triton", {"d": 64}),

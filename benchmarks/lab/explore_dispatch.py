@@ -1,6 +1,6 @@
 """Where the Gluon forward beats the Triton one: both kernels on the same quantized
 operands (P mode direct), by query and key count, D = 64 and 128, causal (as many queries
-as keys: the Gluon kernel takes SDPA's top-left structure only) and not (also few
+as keys, SDPA's top-left structure) and not (also few
 queries: cross attention, chunked prefill over a full prefix), and causal with a 4096-key
 sliding window (TFLOP/s counted on the visible pairs, next to plain causal's).  The data
 behind ``kernels.GLUON_MIN_KEYS`` and ``_gluon_wins`` (H200).

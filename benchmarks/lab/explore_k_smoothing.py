@@ -40,7 +40,7 @@ def first_block_mean(kf):
 
 def sampled_mean(kf):
     n = kf.shape[-2]
-    rows = torch.arange(min(n, F.SCALE_BLOCK)) * n // min(n, F.SCALE_BLOCK)
+    rows = torch.arange(min(n, F.K_MEAN_SAMPLES)) * n // min(n, F.K_MEAN_SAMPLES)
     return kf[..., rows, :].mean(dim=-2, keepdim=True)
 
 

@@ -80,21 +80,22 @@ def forward_kernel(q: torch.Tensor, p_mode: str):
 
 # Where the Gluon kernel beat the Triton one in P mode direct on the H200, both on the same
 # operands (benchmarks/lab/explore_dispatch.py, results/lab/explore_dispatch_h200.json,
-# 2026-12-02): keys per (D, causal) and queries per sequence from which it won, and enough
-# query rows (B H Nq) for one of its 128-row programs per SM (with fewer it lost: 0.76x at
-# 256 queries of 8k keys, 64 programs).  Below these its pipeline fill and drain weigh on
-# rows of few key tiles.  D = 64 with a sliding window ran 0.78x Triton's speed: Triton.
+# 2026-12-02): keys per (D, causal) and queries per sequence from which it won, and at
+# least 128 of its 128-row programs (B H Nq / 128: it won with 128, lost 0.76x with 64).
+# Below these its pipeline fill and drain weigh on rows of few key tiles.  Sliding
+# windows: it won with 4096 keys at D = 128 (1.10-1.13x) and lost at D = 64 (0.78x); a
+# window must itself reach the causal key count.
 # Its exp mode (the Direct-P ablation) measured slower than the Triton kernel's: Triton.
 GLUON_MIN_KEYS = {(128, False): 2048, (128, True): 4096, (64, False): 4096, (64, True): 8192}
 GLUON_MIN_QUERIES = {128: 256, 64: 1024}
-GLUON_MIN_ROWS = 128 * 132
+GLUON_MIN_ROWS = 128 * 128
 
 
 def _gluon_wins(q, k, causal, window) -> bool:
     """Whether the measured crossovers above give this call to the Gluon kernel (D in
     {64, 128}, ``_gluon_scope``)."""
     b, h, nq, d = q.shape
-    if window and d == 64:
+    if window and (d == 64 or window < GLUON_MIN_KEYS[(d, True)]):
         return False
     return (k.shape[2] >= GLUON_MIN_KEYS[(d, bool(causal))] and nq >= GLUON_MIN_QUERIES[d]
             and b * h * nq >= GLUON_MIN_ROWS)

@@ -80,8 +80,8 @@ def _stats(K, V, KMEAN, VMAX, N, CHUNK, HKV,
            TILE: tl.constexpr, SAMPLES: tl.constexpr, SAMPLE_TILE: tl.constexpr):
     # Per head: programs 0 .. chunks - 1 the partial amax of V over a chunk of tokens; the
     # last one K's smoothing mean (formats.smooth_k: of the tokens i * N // S, i < S =
-    # min(N, SAMPLES)).  Heads vary fastest: the last programs read the last chunk of every
-    # head's V, which the V programs of _quantize take first.
+    # min(N, SAMPLES)).  Heads vary fastest: the last V programs read the last chunk of
+    # every head's V, which the V programs of _quantize take first.
     bh = tl.program_id(0)
     chunk = tl.program_id(1)
     b = (bh // HKV).to(tl.int64)
