@@ -359,5 +359,8 @@ def test_attention_inside_activation_checkpointing(mode):
         checkpointed, calls = op_calls(step, torch.compile(lambda x: checkpoint(attend, x, **kwargs),
                                                            backend="fp4attn"), x)
     assert calls["fwd"] >= 1 and calls["bwd"] == 1
-    assert cosine(checkpointed, plain) >= 0.9999
+    # Equal but for float rounding: the two compiled graphs may round the projection
+    # differently, which can flip one 8-bit code (21 seeds: 1 - 1e-14 typically, 0.99989
+    # once, seed 274823293); a broken recompute gives far less.
+    assert cosine(checkpointed, plain) >= 0.9995
     assert cosine(checkpointed, step(attend, x)) >= 0.98

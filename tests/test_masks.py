@@ -81,8 +81,9 @@ def test_hf_training_with_gradient_checkpointing(name):
         assert calls["fwd"] >= 1 and calls["bwd"] == 1, calls
     model.gradient_checkpointing_disable()
     assert cosine(got[True], ref) >= 0.98
-    # The recomputed forward quantizes exactly as the first one did.
-    assert cosine(got[True], got[False]) >= 0.9999
+    # The recomputed forward quantizes as the first one did, but for codes that the two
+    # compiled graphs' float rounding may flip (tests/test_capture.py's checkpointing test).
+    assert cosine(got[True], got[False]) >= 0.9995
 
 
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
