@@ -21,6 +21,15 @@ from fp4_inductor import formats as F  # noqa: E402
 
 # A peer whose package is missing: recorded in the results, not an error.
 NOT_INSTALLED = "not installed"
+HBM_BANDWIDTH = 4.26e12  # bytes/s, copy bandwidth measured on the H200: the byte floors' rate
+
+
+def quantize_floor_us(q_elems: int, kv_elems: int, v_reads: int = 2) -> float:
+    """The quantization op's byte floor in microseconds: BF16 Q and K read once, V
+    ``v_reads`` times (its per-head scale needs a pass first), 8-bit codes written once;
+    ``kv_elems``: K's (and V's) element count."""
+    bytes_moved = 2 * q_elems + 2 * kv_elems + 2 * v_reads * kv_elems + q_elems + 2 * kv_elems
+    return bytes_moved / HBM_BANDWIDTH * 1e6
 
 
 def stop(signum, frame):

@@ -36,8 +36,6 @@ from fp4_inductor import formats as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common as C  # noqa: E402
 
-BANDWIDTH = 4.26e12  # bytes/s, copy bandwidth measured on the H200
-
 
 def kernel_us(fn) -> dict[str, float]:
     """Device time per kernel name for one call, in microseconds: where the time goes."""
@@ -77,7 +75,7 @@ def main() -> None:
     b, h, n, d = 4, 16, 4096, 128
     q, k, v = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2) for _ in range(3))
     sm_scale = 1 / math.sqrt(d)
-    results["quantize_us"]["byte_floor"] = (q.numel() * 2 * 4 + q.numel() * 3) / BANDWIDTH * 1e6
+    results["quantize_us"]["byte_floor"] = C.quantize_floor_us(q.numel(), k.numel())
     variants = {
         "op": lambda: torch.ops.fp4attn.quantize(q, k, v, sm_scale, "fp8"),
         "inductor": torch.compile(lambda: F.quantize_inputs(q, k, v, sm_scale, "fp8")),

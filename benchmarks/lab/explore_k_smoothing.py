@@ -1,7 +1,7 @@
 """What K's smoothing vector costs in accuracy: the mean over all tokens (two passes over
 K: a reduction across the whole sequence, then the quantization) against the mean of the
-first SCALE_BLOCK tokens (one pass: every K block's program reads block 0 again, from L2)
-and no smoothing.  Any vector shared by a head's keys leaves softmax unchanged, so only
+first SCALE_BLOCK tokens or of K_MEAN_SAMPLES tokens spread over the sequence (one pass:
+formats.smooth_k since this study) and no smoothing.  Any vector shared by a head's keys leaves softmax unchanged, so only
 the INT8 rounding of K differs.  CPU: the reference emulation computes the kernels'
 numbers.
 
@@ -11,6 +11,7 @@ Inputs: Gaussian; Gaussian K with a per-channel offset shared by the tokens (wha
 models' K has); the same with rotary embeddings (Llama's: the offset turns with the
 position, so a local mean is not the global one); all-MiniLM-L6-v2's activations on a
 512-token text.  Each: the fp8 Direct-P output's rel-L2 against float64 attention.
+``output_error`` and ``compare`` serve the other numerics studies here too.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def no_mean(kf):
     return torch.zeros_like(kf[..., :1, :])
 
 
-VARIANTS = {"all tokens (today)": global_mean, "first block": first_block_mean,
+VARIANTS = {"all tokens (v6)": global_mean, "first block": first_block_mean,
             "128 tokens spread over the sequence": sampled_mean, "none": no_mean}
 
 
@@ -62,13 +63,18 @@ def smoothing(mean_of):
         F.smooth_k = saved
 
 
-def rel_l2(q, k, v, causal):
-    scale = q.shape[-1] ** -0.5
-    ops = F.quantize_inputs(q, k, v, scale, "fp8")
+def output_error(ops, q, k, v, causal) -> float:
+    """rel-L2 of the fp8 Direct-P reference output on the quantized ``ops`` against float64
+    attention of ``q, k, v`` (softmax scale D**-0.5)."""
     out = reference.attention_forward(*ops, None, causal, "direct", torch.float32)[0].double()
     ref = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=causal,
-                                                           scale=scale)
+                                                           scale=q.shape[-1] ** -0.5)
     return ((out - ref).norm() / ref.norm()).item()
+
+
+def smoothed_error(mean_of, q, k, v, causal) -> float:
+    with smoothing(mean_of):
+        return output_error(F.quantize_inputs(q, k, v, q.shape[-1] ** -0.5, "fp8"), q, k, v, causal)
 
 
 def rotary(x):
@@ -102,25 +108,27 @@ def minilm_text():
     return {f"MiniLM layer {i}": (s["q"], s["k"], s["v"]) for i, s in enumerate(capture_sites(model, batch))}
 
 
-def main():
-    gen = torch.Generator().manual_seed(0)
-    cases = [(name, t, causal) for name, t in synthetic(2048, 128, 4, gen).items() for causal in (False, True)]
+def compare(synthetic_inputs: dict, variants: dict, error, path: str) -> None:
+    """``error(variant, q, k, v, causal)`` for every variant on each synthetic input (full
+    and causal) and on MiniLM's layers (full); a table, and JSON at ``path``."""
+    cases = [(name, t, causal) for name, t in synthetic_inputs.items() for causal in (False, True)]
     cases += [(name, t, False) for name, t in minilm_text().items()]
     rows = []
     for name, (q, k, v), causal in cases:
         row = {"input": name, "causal": causal, "shape": list(q.shape)}
-        for label, mean_of in VARIANTS.items():
-            with smoothing(mean_of):
-                row[label] = rel_l2(q, k, v, causal)
+        row.update({label: error(variant, q, k, v, causal) for label, variant in variants.items()})
         rows.append(row)
-        print(f"{name:22s} {'causal' if causal else 'full':6s} "
-              + "  ".join(f"{label}: {row[label]:.4f}" for label in VARIANTS), flush=True)
-    path = os.path.join(RESULTS, "lab", "explore_k_smoothing.json")
+        print(f"{name:26s} {'causal' if causal else 'full':6s} "
+              + "  ".join(f"{label}: {row[label]:.4f}" for label in variants), flush=True)
     with open(path, "w") as f:
         json.dump({"environment": environment(), "metric": "fp8 direct output rel-L2 vs float64", "rows": rows},
                   f, indent=1)
     print(f"wrote {path}")
 
+
+def main():
+    compare(synthetic(2048, 128, 4, torch.Generator().manual_seed(0)), VARIANTS, smoothed_error,
+            os.path.join(RESULTS, "lab", "explore_k_smoothing.json"))
 
 if __name__ == "__main__":
     main()

@@ -29,7 +29,6 @@ import common as C  # noqa: E402
 from fp4_inductor import formats as F  # noqa: E402
 from fp4_inductor.kernels.triton import quantize as Q  # noqa: E402
 
-BANDWIDTH = 4.26e12  # bytes/s, copy bandwidth measured on the H200
 SHAPES = [(4, 16, 16, 4096, 128), (8, 16, 16, 2048, 128), (4, 32, 32, 4096, 64), (1, 32, 8, 4096, 128)]
 DEFAULT = dict(_Q_ROWS=32, _K_TILE=16, _V_ROWS=64, _WARPS=4, _STATS_TILE=32, _STATS_WARPS=4, _STATS_STAGES=1)
 VARIANTS = {
@@ -88,10 +87,8 @@ def measure(launch, shape) -> dict:
 
 def floors(b, h, hkv, n, d) -> dict:
     q_elems, kv_elems = b * h * n * d, b * hkv * n * d
-    codes = q_elems + 2 * kv_elems
-    two_pass_v = 2 * q_elems + 2 * kv_elems + 4 * kv_elems + codes
-    one_pass = 2 * q_elems + 4 * kv_elems + codes
-    return {"floor_us": round(two_pass_v / BANDWIDTH * 1e6, 1), "one_pass_floor_us": round(one_pass / BANDWIDTH * 1e6, 1)}
+    return {"floor_us": round(C.quantize_floor_us(q_elems, kv_elems), 1),
+            "one_pass_floor_us": round(C.quantize_floor_us(q_elems, kv_elems, v_reads=1), 1)}
 
 
 def main():

@@ -14,18 +14,16 @@ V with outlier channels; all-MiniLM-L6-v2's activations on a 512-token text.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import RESULTS, environment  # noqa: E402
-from lab.explore_k_smoothing import minilm_text  # noqa: E402
+from common import RESULTS  # noqa: E402
+from lab.explore_k_smoothing import compare, output_error  # noqa: E402
 
 from fp4_inductor import formats as F  # noqa: E402
-from fp4_inductor import reference  # noqa: E402
 
 
 def e4m3_values(v: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
@@ -49,17 +47,11 @@ def per_channel(v):
 VARIANTS = {"per head (today)": per_head, "per 128-token block": per_block, "per channel": per_channel}
 
 
-def rel_l2(q, k, v, v_values, causal):
-    """fp8 Direct-P output with V replaced by ``v_values`` (already rounded), against float64."""
-    scale = q.shape[-1] ** -0.5
-    q8, k8, _, q_scale, k_scale, _ = F.quantize_inputs(q, k, v, scale, "fp8")
-    v_t = v_values.transpose(-1, -2).contiguous()  # exact E4M3 values times a scale: float32 holds them
-    ones = torch.ones(v.shape[:2])
-    out = reference.attention_forward(q8, k8, v_t, q_scale, k_scale, ones, None, causal, "direct",
-                                      torch.float32)[0].double()
-    ref = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=causal,
-                                                           scale=scale)
-    return ((out - ref).norm() / ref.norm()).item()
+def rounded_v_error(round_v, q, k, v, causal) -> float:
+    """fp8 Direct-P output with V replaced by ``round_v(v)`` (already rounded), against float64."""
+    q8, k8, _, q_scale, k_scale, _ = F.quantize_inputs(q, k, v, q.shape[-1] ** -0.5, "fp8")
+    v_t = round_v(v.float()).transpose(-1, -2).contiguous()  # exact E4M3 values times a scale: float32 holds them
+    return output_error((q8, k8, v_t, q_scale, k_scale, torch.ones(v.shape[:2])), q, k, v, causal)
 
 
 def synthetic(gen):
@@ -73,23 +65,8 @@ def synthetic(gen):
 
 
 def main():
-    gen = torch.Generator().manual_seed(0)
-    cases = [(name, t, c) for name, t in synthetic(gen).items() for c in (False, True)]
-    cases += [(name, t, False) for name, t in minilm_text().items()]
-    rows = []
-    for name, (q, k, v), causal in cases:
-        row = {"input": name, "causal": causal}
-        for label, fn in VARIANTS.items():
-            row[label] = rel_l2(q, k, v, fn(v.float()), causal)
-        rows.append(row)
-        print(f"{name:26s} {'causal' if causal else 'full':6s} "
-              + "  ".join(f"{label}: {row[label]:.4f}" for label in VARIANTS), flush=True)
-    path = os.path.join(RESULTS, "lab", "explore_v_scales.json")
-    with open(path, "w") as f:
-        json.dump({"environment": environment(), "metric": "fp8 direct output rel-L2 vs float64", "rows": rows},
-                  f, indent=1)
-    print(f"wrote {path}")
-
+    compare(synthetic(torch.Generator().manual_seed(0)), VARIANTS, rounded_v_error,
+            os.path.join(RESULTS, "lab", "explore_v_scales.json"))
 
 if __name__ == "__main__":
     main()

@@ -128,7 +128,7 @@ def _forward(q, k, v_t, q_scale, k_scale, v_scale, bias, causal, p_mode, out, ls
             and _run_gluon("attention_fwd", "forward", "attention_forward",
                            (q, k, v_t, q_scale, bias, p_mode, lse, row_ref), args):
         return
-    _module("triton", "attention_fwd").attention_forward(*args[:-2], diagonal=diagonal, window=window)
+    _module("triton", "attention_fwd").attention_forward(*args)
 
 
 def backward_kernel(q: torch.Tensor, p_mode: str):

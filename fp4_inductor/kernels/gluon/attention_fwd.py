@@ -29,8 +29,9 @@ Scope (``supports``): P mode ``direct`` or ``exp`` (the ablation: exp2 on the MU
 the convert instruction, in the same kernel structure), no bias, D in {64, 128}, Nk a
 multiple of 16 (TMA needs the V^T rows 16-byte aligned and K in whole 16-key chunks),
 contiguous operands; causal with any diagonal offset and sliding window
-(``formats.visible``; rows with no visible key get O = 0, LSE -inf) or not; GQA/MQA.  Which calls it gets
-is decided per call by ``kernels._forward`` (lengths); the rest run the Triton kernel.
+(``formats.visible``; rows with no visible key get O = 0, LSE -inf) or not; GQA/MQA.
+Which calls it gets is decided per call by ``kernels._forward`` (``_gluon_wins``: keys,
+queries, programs, windows); the rest run the Triton kernel.
 """
 
 from __future__ import annotations
