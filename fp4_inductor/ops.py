@@ -19,6 +19,23 @@ from .kernels import backward_kernel, forward_kernel, quantize_kernel
 
 _warned: set[str] = set()
 
+# The ops are defined with ``torch.library.Library`` rather than ``custom_op``: the same
+# schema, fake kernels and dispatch, without custom_op's Python wrappers around each call
+# (its autograd and dynamo-disable layers: 20 us a call against 4.5 on a CPU host,
+# benchmarks/lab/explore_forward_host.py).  None has autograd of its own: ``attention.py``
+# attaches the gradient around quantize + fwd and calls bwd from its backward.
+_LIBRARY = torch.library.Library("fp4attn", "DEF")
+
+
+def _op(schema: str):
+    """Define ``fp4attn::<schema>`` with the decorated function as its kernel on every
+    device; ``torch.library.register_fake`` gives it the fake kernel."""
+    def register(fn):
+        _LIBRARY.define(schema)
+        _LIBRARY.impl(schema.split("(")[0], fn, "CompositeExplicitAutograd")
+        return fn
+    return register
+
 
 def _warn_once(key: str, message: str) -> None:
     if key not in _warned:
@@ -60,7 +77,7 @@ def bnhd_like(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-@torch.library.custom_op("fp4attn::quantize", mutates_args=())
+@_op("quantize(Tensor q, Tensor k, Tensor v, float sm_scale, str fmt) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
 def quantize(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, fmt: str
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -80,7 +97,7 @@ def quantize(
     return tuple(t.contiguous() for t in F.quantize_inputs(q, k, v, sm_scale, fmt))
 
 
-@quantize.register_fake
+@torch.library.register_fake("fp4attn::quantize")
 def _(q, k, v, sm_scale, fmt):
     b, h, nq, d = q.shape
     hkv, nk, dv = k.shape[1], k.shape[2], v.shape[-1]
@@ -94,7 +111,8 @@ def _(q, k, v, sm_scale, fmt):
     )
 
 
-@torch.library.custom_op("fp4attn::fwd", mutates_args=())
+@_op("fwd(Tensor q, Tensor k, Tensor v_t, Tensor q_scale, Tensor k_scale, Tensor v_scale, Tensor? bias, "
+     "bool causal, str p_mode, ScalarType out_dtype, int diagonal=0, int window=0) -> (Tensor, Tensor, Tensor)")
 def attention_fwd(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -133,14 +151,17 @@ def attention_fwd(
     return out, lse, row_ref
 
 
-@attention_fwd.register_fake
+@torch.library.register_fake("fp4attn::fwd")
 def _(q, k, v_t, q_scale, k_scale, v_scale, bias, causal, p_mode, out_dtype, diagonal=0, window=0):
     b, h, nq, _ = q.shape
     row = q.new_empty(b, h, nq, dtype=torch.float32)
     return bnhd_empty(q, h, nq, v_t.shape[-2], out_dtype), row, torch.empty_like(row)
 
 
-@torch.library.custom_op("fp4attn::bwd", mutates_args=())
+@_op("bwd(Tensor do, Tensor do_scale, Tensor delta, Tensor q, Tensor k, Tensor v_t, Tensor q_scale, "
+     "Tensor k_scale, Tensor v_scale, Tensor qe, Tensor qe_scale, Tensor ke, Tensor ke_scale, Tensor? bias, "
+     "Tensor row_ref, bool causal, str p_mode, ScalarType out_dtype, bool grads_contiguous=False, int diagonal=0, "
+     "int window=0) -> (Tensor, Tensor, Tensor)")
 def attention_bwd(
     do: torch.Tensor,
     do_scale: torch.Tensor,
@@ -187,7 +208,7 @@ def attention_bwd(
     return dq, dk, dv
 
 
-@attention_bwd.register_fake
+@torch.library.register_fake("fp4attn::bwd")
 def _(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale, qe, qe_scale, ke, ke_scale, bias, row_ref, causal,
       p_mode, out_dtype, grads_contiguous=False, diagonal=0, window=0):
     return grads_empty(q, k, v_t, out_dtype, grads_contiguous)
@@ -204,7 +225,8 @@ def quantized_forward(q, k, v, bias, sm_scale, causal, fmt, p_mode, diagonal=0, 
     return out, lse, row_ref, operands
 
 
-@torch.library.custom_op("fp4attn::by_length", mutates_args=())
+@_op("by_length(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, float scale, bool is_causal, str fmt, "
+     "str p_mode, int min_keys, int diagonal=0, int window=0, Tensor? key_padding=None) -> (Tensor, Tensor)")
 def attention_by_length(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None, scale: float,
     is_causal: bool, fmt: str, p_mode: str, min_keys: int, diagonal: int = 0, window: int = 0,
@@ -256,6 +278,6 @@ def sdpa_with_structure(q, k, v, attn_mask, scale, is_causal, diagonal=0, window
     return out, ~visible.expand(*q.shape[:3], nk).any(-1)
 
 
-@attention_by_length.register_fake
+@torch.library.register_fake("fp4attn::by_length")
 def _(q, k, v, attn_mask, scale, is_causal, fmt, p_mode, min_keys, diagonal=0, window=0, key_padding=None):
     return bnhd_empty(q, q.shape[1], q.shape[2], v.shape[-1], q.dtype), q.new_empty(q.shape[:3], dtype=torch.bool)

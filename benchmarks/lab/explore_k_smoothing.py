@@ -63,10 +63,10 @@ def smoothing(mean_of):
         F.smooth_k = saved
 
 
-def output_error(ops, q, k, v, causal) -> float:
-    """rel-L2 of the fp8 Direct-P reference output on the quantized ``ops`` against float64
-    attention of ``q, k, v`` (softmax scale D**-0.5)."""
-    out = reference.attention_forward(*ops, None, causal, "direct", torch.float32)[0].double()
+def output_error(ops, q, k, v, causal, p_mode: str = "direct") -> float:
+    """rel-L2 of the fp8 reference output (P mode ``p_mode``) on the quantized ``ops``
+    against float64 attention of ``q, k, v`` (softmax scale D**-0.5)."""
+    out = reference.attention_forward(*ops, None, causal, p_mode, torch.float32)[0].double()
     ref = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=causal,
                                                            scale=q.shape[-1] ** -0.5)
     return ((out - ref).norm() / ref.norm()).item()
