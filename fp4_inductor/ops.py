@@ -27,12 +27,14 @@ _warned: set[str] = set()
 _LIBRARY = torch.library.Library("fp4attn", "DEF")
 
 
-def _op(schema: str):
-    """Define ``fp4attn::<schema>`` with the decorated function as its kernel on every
-    device; ``torch.library.register_fake`` gives it the fake kernel."""
+def _op(name: str):
+    """Define ``fp4attn::<name>`` with the decorated function as its kernel on every
+    device, its schema inferred from the annotations as custom_op would (ints as SymInt,
+    so a symbolic length does not specialise the graph); ``torch.library.register_fake``
+    gives it the fake kernel."""
     def register(fn):
-        _LIBRARY.define(schema)
-        _LIBRARY.impl(schema.split("(")[0], fn, "CompositeExplicitAutograd")
+        _LIBRARY.define(name + torch.library.infer_schema(fn, mutates_args=()))
+        _LIBRARY.impl(name, fn, "CompositeExplicitAutograd")
         return fn
     return register
 
@@ -77,7 +79,7 @@ def bnhd_like(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-@_op("quantize(Tensor q, Tensor k, Tensor v, float sm_scale, str fmt) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
+@_op("quantize")
 def quantize(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, fmt: str
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -111,8 +113,7 @@ def _(q, k, v, sm_scale, fmt):
     )
 
 
-@_op("fwd(Tensor q, Tensor k, Tensor v_t, Tensor q_scale, Tensor k_scale, Tensor v_scale, Tensor? bias, "
-     "bool causal, str p_mode, ScalarType out_dtype, int diagonal=0, int window=0) -> (Tensor, Tensor, Tensor)")
+@_op("fwd")
 def attention_fwd(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -158,10 +159,7 @@ def _(q, k, v_t, q_scale, k_scale, v_scale, bias, causal, p_mode, out_dtype, dia
     return bnhd_empty(q, h, nq, v_t.shape[-2], out_dtype), row, torch.empty_like(row)
 
 
-@_op("bwd(Tensor do, Tensor do_scale, Tensor delta, Tensor q, Tensor k, Tensor v_t, Tensor q_scale, "
-     "Tensor k_scale, Tensor v_scale, Tensor qe, Tensor qe_scale, Tensor ke, Tensor ke_scale, Tensor? bias, "
-     "Tensor row_ref, bool causal, str p_mode, ScalarType out_dtype, bool grads_contiguous=False, int diagonal=0, "
-     "int window=0) -> (Tensor, Tensor, Tensor)")
+@_op("bwd")
 def attention_bwd(
     do: torch.Tensor,
     do_scale: torch.Tensor,
@@ -225,8 +223,7 @@ def quantized_forward(q, k, v, bias, sm_scale, causal, fmt, p_mode, diagonal=0, 
     return out, lse, row_ref, operands
 
 
-@_op("by_length(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, float scale, bool is_causal, str fmt, "
-     "str p_mode, int min_keys, int diagonal=0, int window=0, Tensor? key_padding=None) -> (Tensor, Tensor)")
+@_op("by_length")
 def attention_by_length(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None, scale: float,
     is_causal: bool, fmt: str, p_mode: str, min_keys: int, diagonal: int = 0, window: int = 0,
