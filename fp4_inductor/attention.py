@@ -51,6 +51,7 @@ class _LowPrecisionAttention(torch.autograd.Function):
         return out, lse
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # fp4attn::bwd has no gradient of its own
     def backward(ctx, dout, _):
         q8, k8, v8t, q_scale, k_scale, v_scale, bias, out, lse, row_ref = ctx.saved_tensors
         do8, do_scale, delta, qe, qe_scale, ke, ke_scale = backward_inputs(

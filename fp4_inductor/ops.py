@@ -20,21 +20,23 @@ from .kernels import backward_kernel, forward_kernel, quantize_kernel
 _warned: set[str] = set()
 
 # The ops are defined with ``torch.library.Library`` rather than ``custom_op``: the same
-# schema, fake kernels and dispatch, without custom_op's Python wrappers around each call
-# (its autograd and dynamo-disable layers: 20 us a call against 4.5 on a CPU host,
+# schema, fake kernels and dispatch, without custom_op's autograd layer around each call
+# (a no-op op cost 24 us through custom_op against 8.4 on a CPU host,
 # benchmarks/lab/explore_forward_host.py).  None has autograd of its own: ``attention.py``
-# attaches the gradient around quantize + fwd and calls bwd from its backward.
+# attaches the gradient around quantize + fwd and calls bwd from its backward, once
+# differentiable.
 _LIBRARY = torch.library.Library("fp4attn", "DEF")
 
 
 def _op(name: str):
     """Define ``fp4attn::<name>`` with the decorated function as its kernel on every
-    device, its schema inferred from the annotations as custom_op would (ints as SymInt,
-    so a symbolic length does not specialise the graph); ``torch.library.register_fake``
-    gives it the fake kernel."""
+    device, as custom_op would: the schema inferred from the annotations (ints as SymInt,
+    so a symbolic length does not specialise the graph), tagged PT2-compliant, and the
+    kernel hidden from Dynamo (an op run eagerly under it, after a graph break, must not
+    be traced into).  ``torch.library.register_fake`` gives it the fake kernel."""
     def register(fn):
-        _LIBRARY.define(name + torch.library.infer_schema(fn, mutates_args=()))
-        _LIBRARY.impl(name, fn, "CompositeExplicitAutograd")
+        _LIBRARY.define(name + torch.library.infer_schema(fn, mutates_args=()), tags=(torch.Tag.pt2_compliant_tag,))
+        _LIBRARY.impl(name, torch.compiler.disable(fn), "CompositeExplicitAutograd")
         return fn
     return register
 

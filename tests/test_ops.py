@@ -128,6 +128,19 @@ def test_dq_comes_out_with_respect_to_q():
     assert not torch.equal(dq, (dq_scaled * sm_scale).to(torch.bfloat16))  # the fold changes roundings
 
 
+def test_ops_are_pt2_compliant_and_have_no_second_derivative():
+    """The ops carry the tag torch.compile's checks look for, and a double backward through
+    lowp_attention raises (fp4attn::bwd has no gradient) instead of dropping that term."""
+    from fp4_inductor.attention import lowp_attention
+
+    for name in ("quantize", "fwd", "bwd", "by_length"):
+        assert torch.Tag.pt2_compliant_tag in getattr(torch.ops.fp4attn, name).default.tags, name
+    q, k, v = (torch.randn(1, 2, 40, 32, requires_grad=True) for _ in range(3))
+    dq, = torch.autograd.grad(lowp_attention(q, k, v, is_causal=True).sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError):
+        torch.autograd.grad(dq.sum(), q)
+
+
 def test_kernel_failure_falls_back_and_warns_once(monkeypatch):
     def broken(*args):
         raise RuntimeError("simulated launch failure")

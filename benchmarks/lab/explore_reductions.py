@@ -71,20 +71,21 @@ def _dq_parts_tma(dq_desc, NQ, ADDS: gl.constexpr, D: gl.constexpr, BLOCK_KEYS: 
     """``_dq_parts`` with each [BLOCK_Q, D] part stored to shared memory and reduce-added by
     TMA; a buffer is rewritten only once the reduction that read it has (store_wait)."""
     k0 = gl.program_id(0) * BLOCK_KEYS
-    row0 = gl.program_id(1) * NQ
+    bh = gl.program_id(1)
     layout: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [gl.num_warps(), 1], [1, 0])
     rows = gl.arange(0, BLOCK_Q, layout=gl.SliceLayout(1, layout))
     cols = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
     part = ((rows[:, None] * D + cols[None, :]) % 7).to(gl.float32) * 0.125
-    smem = gl.allocate_shared_memory(gl.float32, [BUFFERS, BLOCK_Q, D], dq_desc.layout)
+    # [head, query, D] tiles: TMA clips a head's last tile at NQ, as the atomics' mask does.
+    smem = gl.allocate_shared_memory(gl.float32, [BUFFERS, 1, BLOCK_Q, D], dq_desc.layout)
     i = 0
     for j in range(k0 // BLOCK_Q, gl.cdiv(NQ, BLOCK_Q)):
         for _ in gl.static_range(ADDS):
             buf = smem.index(i % BUFFERS)
             tma.store_wait(BUFFERS - 1)
-            buf.store(part)
+            buf.reshape([BLOCK_Q, D]).store(part)
             fence_async_shared()
-            _tma_reduce_add(dq_desc, [row0 + j * BLOCK_Q, 0], buf)
+            _tma_reduce_add(dq_desc, [bh, j * BLOCK_Q, 0], buf)
             i += 1
     tma.store_wait(0)
 
@@ -93,7 +94,7 @@ TMA_BUFFERS = 2
 
 
 def _dq_layout(d):
-    return gl.NVMMASharedLayout.get_default_for([BLOCK_Q, d], gl.float32)
+    return gl.NVMMASharedLayout.get_default_for([1, BLOCK_Q, d], gl.float32)
 
 
 def compile_tma_for_sm90(d: int, adds: int = 1):
@@ -101,7 +102,7 @@ def compile_tma_for_sm90(d: int, adds: int = 1):
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    desc = f"tensordesc<fp32[{BLOCK_Q}, {d}],{_dq_layout(d)!r}>"
+    desc = f"tensordesc<fp32[1, {BLOCK_Q}, {d}],{_dq_layout(d)!r}>"
     consts = dict(ADDS=adds, D=d, BLOCK_KEYS=BLOCK_KEYS, BLOCK_Q=BLOCK_Q, BUFFERS=TMA_BUFFERS)
     sig = {"dq_desc": desc, "NQ": "i32", **{name: "constexpr" for name in consts}}
     return triton.compile(GluonASTSource(_dq_parts_tma, sig, constexprs=consts),
@@ -122,7 +123,7 @@ def measure(b, h, n, d):
         ms = do_bench(run, return_mode="median")
         gb = b * h * tiles * adds * BLOCK_Q * d * 4 / 1e9
         rows.append({"what": name, "ms": ms, "GB": gb, "GB/s": gb / ms * 1e3})
-    desc = TensorDescriptor.from_tensor(dq.view(b * h * n, d), [BLOCK_Q, d], _dq_layout(d))
+    desc = TensorDescriptor.from_tensor(dq, [1, BLOCK_Q, d], _dq_layout(d))
     for name, adds in (("TMA reduce, 1 per 128 keys", 1), ("TMA reduce, 1 per 64 keys", 2)):
         dq.zero_()
         _dq_parts_tma[grid](desc, n, ADDS=adds, D=d, BLOCK_KEYS=BLOCK_KEYS, BLOCK_Q=BLOCK_Q, BUFFERS=TMA_BUFFERS,
