@@ -14,6 +14,7 @@ product on the same P codes, 2 more bytes a V element).  Inputs as explore_k_smo
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from unittest import mock
@@ -59,10 +60,9 @@ def error_with(flags, q, k, v, causal) -> float:
         v_t, v_scale = v_hi_lo(v), torch.ones(v.shape[:2])
     ops = (q8, k8, v_t, q_scale, k_scale, v_scale)
     p_mode = "exp" if "exp P" in flags else "direct"
-    if "float32 P" in flags:
-        with mock.patch.object(F, "probability_operand", float32_p):
-            return output_error(ops, q, k, v, causal, p_mode)
-    return output_error(ops, q, k, v, causal, p_mode)
+    exact_p = mock.patch.object(F, "probability_operand", float32_p) if "float32 P" in flags else contextlib.nullcontext()
+    with exact_p:
+        return output_error(ops, q, k, v, causal, p_mode)
 
 
 VARIANTS = {
