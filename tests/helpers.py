@@ -60,7 +60,9 @@ def grads(fn, inputs, grad_out=None):
 def quantized_operands(b, h, hkv, nq, nk, d, p_mode, bias_kind=None, scale=1.0, dv=None):
     """Gaussian Q, K, V quantized as attention.py does (on the CPU), the forward op's
     operands ``(q8, k8, v_t, q_scale, k_scale, v_scale)``, and an optional log2 bias:
-    ``"keypad"`` (a boolean key-padding mask as lowered) or ``"dense"`` (random).
+    ``"keypad"`` (a boolean key-padding mask as lowered: random keys), ``"rightpad"`` /
+    ``"leftpad"`` (per-sequence lengths), ``"keyrow"`` (random, per head and key) or
+    ``"dense"`` (random).
     ``dv``: the value head dim, if not ``d``."""
     q = torch.randn(b, h, nq, d) * scale
     k = torch.randn(b, hkv, nk, d) * scale
@@ -71,6 +73,17 @@ def quantized_operands(b, h, hkv, nq, nk, d, p_mode, bias_kind=None, scale=1.0, 
         keep = torch.rand(b, 1, 1, nk) > 0.3
         keep[..., 0] = True
         bias = torch.where(keep, 0.0, MASKED_LOG2)
+    elif bias_kind in ("rightpad", "leftpad"):
+        # Each batch row keeps a random number of keys at its start (right padding) or end
+        # (left padding); the last batch row none when B > 1 (rows with no visible key).
+        lengths = torch.randint(1, nk + 1, (b,))
+        if b > 1:
+            lengths[-1] = 0
+        pos = torch.arange(nk) if bias_kind == "rightpad" else torch.arange(nk).flip(0)
+        keep = pos[None, :] < lengths[:, None]
+        bias = torch.where(keep, 0.0, MASKED_LOG2)[:, None, None, :]
+    elif bias_kind == "keyrow":  # an additive bias per (batch, head) and key, as ALiBi-like rows
+        bias = torch.randn(b, h, 1, nk) * 2
     elif bias_kind == "dense":
         bias = torch.randn(b, h, nq, nk) * 2
     return operands, bias

@@ -98,3 +98,23 @@ def test_gluon_backward_failure_leaves_it_to_triton_once(hook, launch, n_args, w
         assert run() is False
     assert run() is False  # remembered: no second warning
     assert calls == ["gluon"]
+
+
+@pytest.mark.parametrize("shape,row_b,row_h", [((3, 1, 1, 40), 1, 0), ((1, 4, 1, 40), 0, 1), ((3, 4, 1, 40), 4, 1),
+                                               ((1, 1, 1, 40), 1, 0)])
+def test_key_rows_index_the_bias_of_each_batch_and_head(shape, row_b, row_h):
+    """The Gluon forward's key-bias rows (``kernels/gluon/key_bias.py``): row
+    ``batch * row_b + head * row_h`` is the bias every query of (batch, head) adds."""
+    from fp4_inductor.kernels.gluon import key_bias
+
+    b, h, nq, nk = 3, 4, 7, 40
+    bias = torch.randn(shape).to(torch.bfloat16)
+    rows, rb, rh = key_bias.key_rows(bias, b, h, nq, nk)
+    assert (rb, rh) == (row_b, row_h) and rows.dtype == torch.float32 and rows.is_contiguous()
+    full = bias.float().expand(b, h, nq, nk)
+    for i in range(b):
+        for j in range(h):
+            assert torch.equal(rows[i * rb + j * rh], full[i, j, 0])
+    assert key_bias.key_rows(torch.randn(b, 1, nq, nk), b, h, nq, nk) is None  # varies over queries
+    assert key_bias.key_rows(torch.randn(b, 1, 1, nk), b, h, 1, nk) is not None
+    assert not key_bias.key_row_bias(torch.randn(b, 2, 1, nk), b, h, nq, nk)  # does not broadcast

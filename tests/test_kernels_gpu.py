@@ -150,7 +150,8 @@ def test_structures_and_head_dims(case, p_mode):
     _check(_run_kernel(ops, bias, causal, p_mode, diagonal=diagonal, window=window), ref, p_mode)
 
 
-# The Gluon kernel's scope: P modes direct and exp, no bias, Nk a multiple of 16.  Odd query
+# The Gluon kernel's scope: P modes direct and exp, no bias or a key bias row (below), Nk a
+# multiple of 16.  Odd query
 # lengths; key lengths from one 16-key chunk to tails of every size class.
 GLUON_SHAPES = [  # (B, H, Hkv, Nq, Nk)
     (2, 4, 4, 1, 16),
@@ -199,6 +200,31 @@ def test_gluon_structures(case, p_mode, d):
     _check(got, ref, p_mode, lse_tol=GLUON_LSE_TOL)
 
 
+# Key-padding biases in the Gluon kernel (kernels/gluon/key_bias.py): right and left
+# padding with a batch row of no key, random keys masked (every tile an edge tile), and a
+# bias row of other values per head; causal on top, GQA.
+GLUON_KEY_BIAS = [  # (B, H, Hkv, Nq, Nk, bias, causal)
+    (3, 4, 2, 700, 1296, "rightpad", False),
+    (3, 4, 2, 1024, 1024, "rightpad", True),
+    (2, 4, 1, 300, 2064, "leftpad", False),
+    (2, 4, 2, 1008, 1008, "leftpad", True),
+    (1, 4, 2, 203, 800, "keypad", True),
+    (2, 2, 2, 513, 784, "keyrow", False),
+]
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("p_mode", ["direct", "exp"])
+@pytest.mark.parametrize("case", GLUON_KEY_BIAS, ids=lambda c: "b{}h{}kv{}q{}k{}-{}-{}".format(
+    *c[:6], "causal" if c[6] else "full"))
+def test_gluon_key_bias(case, p_mode, d):
+    b, h, hkv, nq, nk, bias_kind, causal = case
+    ops, bias = _inputs(b, h, hkv, nq, nk, d, p_mode, bias_kind)
+    got = _run_kernel(ops, bias, causal, p_mode, kernel="gluon")
+    ref = R.attention_forward(*ops, bias, causal, p_mode, torch.float32)
+    _check(got, ref, p_mode, lse_tol=GLUON_LSE_TOL)
+
+
 def test_dispatch_picks_gluon_where_it_applies():
     """kernels.forward_kernel runs the Gluon kernel in its scope where it was measured
     faster (kernels._gluon_wins) and Triton otherwise: LSE errors tell them apart (row
@@ -207,7 +233,7 @@ def test_dispatch_picks_gluon_where_it_applies():
 
     assert kernels.GLUON_MIN_KEYS[(128, False)] == 2048
     for n, bias_kind, gluon in ((2048, None, True), (2032, None, False), (2056, None, False),
-                                (2048, "keypad", False)):
+                                (2048, "keypad", True), (2048, "dense", False)):
         ops, bias = _inputs(1, 16, 2, n, n, 128, "direct", bias_kind)
         dev = [t.cuda() for t in ops]
         out = torch.full((1, n, 16, 128), float("nan"), device="cuda").transpose(1, 2)

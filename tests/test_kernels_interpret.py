@@ -302,3 +302,51 @@ def test_triton_kernels_at_every_head_dim(fresh_seed):
     """The forward and backward kernels at D = 32, 40, 72, 80, 96, 160, 256 (padded tiles)
     against the reference, under the interpreter."""
     _interpreted(SWEEP_SCRIPT.format(seed=fresh_seed))
+
+
+TILE_RANGES_SCRIPT = """
+import math, torch
+from fp4_inductor.formats import MASKED_LOG2
+from fp4_inductor.kernels.gluon import key_bias
+from triton.runtime.interpreter import InterpretedFunction
+assert isinstance(key_bias._tile_ranges, InterpretedFunction), "not interpreted"
+torch.manual_seed({seed})
+nk, bn = 1000, 128  # 8 tiles, the last one partial
+keys = torch.arange(nk)
+rows = torch.zeros(8, nk)
+rows[0, 700:] = MASKED_LOG2  # right padding
+rows[1, :300] = MASKED_LOG2  # left padding
+rows[2] = MASKED_LOG2  # no key
+rows[3] = torch.randn(nk) * 3  # a general bias row
+rows[3, 100:400] = MASKED_LOG2
+rows[4, :130] = MASKED_LOG2  # a NaN among masked keys keeps its tile
+rows[4, 900:] = MASKED_LOG2
+rows[4, 950] = float("nan")
+rows[5, 3 * bn:4 * bn] = MASKED_LOG2  # zero tiles on both sides of a masked one: no run
+rows[6, :] = float("-inf")
+rows[6, 256:384] = 0.0
+# rows[7]: all zero, the partial tile too (its missing keys count as masked, not zero)
+got = key_bias.tile_ranges(rows, bn)
+tiles = math.ceil(nk / bn)
+for r in range(rows.shape[0]):
+    padded = torch.full((tiles * bn,), MASKED_LOG2)
+    padded[:nk] = rows[r]
+    t = padded.view(tiles, bn)
+    kept = [bool(((x > MASKED_LOG2) | x.isnan()).any()) for x in t]
+    zero = [bool((x == 0).all()) for x in t]
+    lo = min([i for i in range(tiles) if kept[i]], default=tiles)
+    hi = max([i + 1 for i in range(tiles) if kept[i]], default=0)
+    z = [i for i in range(tiles) if zero[i]]
+    z_lo, z_hi = min(z, default=tiles), max([i + 1 for i in z], default=0)
+    if len(z) != z_hi - z_lo:
+        z_hi = z_lo
+    assert got[r].tolist() == [lo, hi, z_lo, z_hi], (r, got[r].tolist(), [lo, hi, z_lo, z_hi])
+assert got[0].tolist() == [0, 6, 0, 5] and got[2].tolist()[:2] == [tiles, 0], got
+"""
+
+
+def test_key_bias_tile_ranges(fresh_seed):
+    """The Gluon forward's key-bias tile classes (kernels/gluon/key_bias.py) under the
+    interpreter: right and left padding, no key, a general bias row, NaN among masked keys,
+    a zero run broken by a masked tile, -inf biases, a partial last tile."""
+    _interpreted(TILE_RANGES_SCRIPT.format(seed=fresh_seed))

@@ -70,8 +70,8 @@ def forward_kernel(q: torch.Tensor, p_mode: str):
     """The sm_90 forward launcher for supported head dims, else None: the warp-specialised
     Gluon kernel for P mode direct where it covers the call (``_gluon_scope`` and
     ``kernels.gluon.attention_fwd.supports``) and measured faster (``_gluon_wins``), the
-    Triton kernel for the rest (shorter rows, few queries, P modes exp and fp4, biases and
-    masks, other head dims, Nk not a multiple of 16); the choice is made per call, in
+    Triton kernel for the rest (shorter rows, few queries, P modes exp and fp4, biases that
+    vary over queries, other head dims, Nk not a multiple of 16); the choice is made per call, in
     ``_forward``."""
     if not _applies(q) or p_mode not in P_MODES:
         return None

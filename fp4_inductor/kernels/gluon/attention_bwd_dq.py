@@ -101,10 +101,10 @@ def _step(j, dq, q, do, rows, row_t, r, delta, dov_scale, ks_ptr, kes_ptr, NK, m
     s, dp = warpgroup_mma_wait(0, deps=(s, dp))
     mbarrier.arrive(kv_empty.index(stage))
     if masked:
-        x, t = _scores(s, row_t, ks_ptr, j, rows, NK, 0, 0, BN, CAUSAL, False, True, False)
+        x, t = _scores(s, row_t, ks_ptr, ks_ptr, j, rows, NK, 0, 0, BN, CAUSAL, False, True, False, False)
     else:
-        x, t = _scores(s, row_t, ks_ptr, j, rows, NK, 0, 0, BN, CAUSAL, False, False, False)
-    p = _probability(x, t[:, None], r[:, None], False).to(gl.float32)
+        x, t = _scores(s, row_t, ks_ptr, ks_ptr, j, rows, NK, 0, 0, BN, CAUSAL, False, False, False, False)
+    p = _probability(x, t[:, None], r[:, None], False, False).to(gl.float32)
     ds8, ds_scale = _ds_operand(p, dp, delta[:, None], dov_scale)
     mbarrier.wait(ke_ready.index(stage), phase)
     part = warpgroup_mma(_p_operand(ds8, a_layout, BM, BN), ke_bufs.index(stage).reshape([HEAD_DIM, BN])

@@ -16,7 +16,9 @@ FlashAttention-3 does on Hopper:
   fp8 A-operand fragment (a 5-D TMA box, see ``_key_order``), so P reaches P.V without
   register shuffles;
 - a program walks only the key tiles its rows can see (causal: up to the diagonal, and
-  from a sliding window's lower edge); tiles wholly visible run without masks.
+  from a sliding window's lower edge; with a key-padding bias, from its first to its last
+  tile that keeps a key); tiles wholly visible run without masks, and without the bias
+  where all its values are zero (``key_bias``).
 
 One deviation from the reference: the row sum of the codes is summed by the tensor
 core, whose fp8 accumulation keeps fewer mantissa bits than float32, so the LSE is
@@ -26,7 +28,8 @@ key per tile (attention sinks) lose more.  P codes, row references and the outpu
 (within the reference's tolerance) are unchanged.
 
 Scope (``supports``): P mode ``direct`` or ``exp`` (the ablation: exp2 on the MUFU and
-the convert instruction, in the same kernel structure), no bias, D in {64, 128}, Nk a
+the convert instruction, in the same kernel structure), no bias or one bias row per
+(batch, head) that every query adds (key padding: ``key_bias``), D in {64, 128}, Nk a
 multiple of 16 (TMA needs the V^T rows 16-byte aligned and K in whole 16-key chunks),
 contiguous operands; causal with any diagonal offset and sliding window
 (``formats.visible``; rows with no visible key get O = 0, LSE -inf) or not; GQA/MQA.
@@ -48,6 +51,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ... import formats as F
+from .key_bias import key_row_bias, key_rows, tile_ranges
 
 BLOCK_N = F.KEY_TILE
 BM_WG = 64  # query rows per consumer warpgroup (two per program)
@@ -98,15 +102,18 @@ def _e4m3(v):
 
 
 @gluon.jit
-def _probability(x, t, m, EXP: gl.constexpr):
+def _probability(x, t, m, EXP: gl.constexpr, SCALED: gl.constexpr):
     """The E4M3 P operand of one tile, as the Triton kernel's _probability, from
     ``_scores``'s x and t, against the row references ``m``; t and m are [rows, 1]; a row
     whose reference is still -inf gets P = 0 (built against 0: exp's x - m would be NaN).
-    Direct-P: ``_direct_p`` of the integer scores with the bias of m; exp: exp2(x - m + 8)
-    of the log2 scores, converted by the cvt instruction."""
+    Direct-P: ``_direct_p`` of the integer scores with the bias of m, or (SCALED) of the
+    log2 scores with t = 1; exp: exp2(x - m + 8) of the log2 scores, converted by the
+    cvt instruction."""
     m = gl.where(m == float("-inf"), 0.0, m)  # a row with no visible key yet: P = 0, not NaN
     if EXP:
         return _e4m3(gl.exp2(x - m + 8.0)).to(gl.float8e4nv, bitcast=True)
+    if SCALED:
+        return _direct_p(x, gl.full_like(t, 0.03125), _direct_p_bias(m))
     return _direct_p(x, t * 0.03125, _direct_p_bias(m))
 
 
@@ -147,19 +154,29 @@ def _p_operand(p, p_layout: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr):
 
 
 @gluon.jit
-def _scores(s, row_t, ks_ptr, j, rows, NK, DIAGONAL, WINDOW, BN: gl.constexpr, CAUSAL: gl.constexpr,
-            WINDOWED: gl.constexpr, MASKED: gl.constexpr, EXP: gl.constexpr):
+def _scores(s, row_t, ks_ptr, bias_row, j, rows, NK, DIAGONAL, WINDOW, BN: gl.constexpr, CAUSAL: gl.constexpr,
+            WINDOWED: gl.constexpr, MASKED: gl.constexpr, EXP: gl.constexpr, KEY_BIAS: gl.constexpr):
     """Tile j's scores from its int32 products and the rows' log2 scale t: x, the log2
-    scores (EXP, rounded on their own as the reference's), or the integer scores as
-    float32 (Direct-P folds t into its FFMA); MASKED: keys past NK and (causal) keys the
-    structure hides (``formats.visible``: after row + DIAGONAL, or WINDOWED, at or before
-    row + DIAGONAL - WINDOW) at -inf.  Returns (x, t)."""
+    scores (EXP or KEY_BIAS, rounded on their own as the reference's), or the integer
+    scores as float32 (Direct-P folds t into its FFMA); KEY_BIAS and MASKED: the log2
+    scores plus the key biases of ``bias_row`` in one FMA (the reference's), the tiles
+    left unmasked having only zero biases (``key_bias``); MASKED: keys past NK and
+    (causal) keys the structure hides (``formats.visible``: after row + DIAGONAL, or
+    WINDOWED, at or before row + DIAGONAL - WINDOW) at -inf.  Returns (x, t)."""
     t = row_t * gl.load(ks_ptr + j)
     x = s.to(gl.float32)
-    if EXP:
-        x = _mul_rn(x, t[:, None])
     if MASKED:
         keys = j * BN + _key_order(BN, gl.SliceLayout(0, s.type.layout))
+    if KEY_BIAS and MASKED:
+        # One bias a thread, then to the score columns' layout (through shared memory):
+        # loaded in that layout, the 32 addresses a thread would stay live across loops.
+        flat: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+        flat_keys = j * BN + _key_order(BN, flat)
+        bias = gl.load(bias_row + flat_keys, mask=flat_keys < NK, other=0.0)
+        x = gl.fma(x, t[:, None], gl.convert_layout(bias, gl.SliceLayout(0, s.type.layout))[None, :])
+    elif EXP or KEY_BIAS:
+        x = _mul_rn(x, t[:, None])
+    if MASKED:
         ok = (keys < NK)[None, :]
         if CAUSAL:
             last = rows[:, None] + DIAGONAL
@@ -171,11 +188,12 @@ def _scores(s, row_t, ks_ptr, j, rows, NK, DIAGONAL, WINDOW, BN: gl.constexpr, C
 
 
 @gluon.jit
-def _row_max(x, t, EXP: gl.constexpr):
-    """The rows' largest log2 score from ``_scores``: for integer scores the rounded product
-    of the largest one (rounding is monotonic and t > 0), rows all -inf staying -inf."""
+def _row_max(x, t, SCALED: gl.constexpr):
+    """The rows' largest log2 score from ``_scores``: for integer scores (not SCALED) the
+    rounded product of the largest one (rounding is monotonic and t > 0), rows all -inf
+    staying -inf."""
     x_max = gl.reduce(x, 1, _max_nan)
-    if not EXP:
+    if not SCALED:
         x_max = gl.where(x_max == float("-inf"), x_max, _mul_rn(x_max, t))
     return x_max
 
@@ -192,10 +210,10 @@ def _products(p, v_buf, ones, part, l_part, HEAD_DIM: gl.constexpr, BM: gl.const
 
 
 @gluon.jit
-def _step(i, j, state, q, s_zero, row_t, rows, ks_ptr, NK, DIAGONAL, WINDOW, smem, bars,
+def _step(i, j, state, q, s_zero, row_t, rows, ks_ptr, bias_row, NK, DIAGONAL, WINDOW, smem, bars,
           WG: gl.constexpr, HEAD_DIM: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
           STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOWED: gl.constexpr, EXP: gl.constexpr,
-          MASKED: gl.constexpr):
+          MASKED: gl.constexpr, KEY_BIAS: gl.constexpr):
     """Iteration i, key tile j: S_j on the tensor cores while they run P_{j-1}.V_{j-1}; the
     softmax of S_j; then tile j-1's products join the float32 sums (two-level accumulation),
     which move from m_{j-2} to m_{j-1}: acc alpha_{j-1} + P_{j-1} V_{j-1}, one FFMA each.
@@ -212,17 +230,35 @@ def _step(i, j, state, q, s_zero, row_t, rows, ks_ptr, NK, DIAGONAL, WINDOW, sme
     mbarrier.wait(v_ready.index(prev), ((i - 1) // STAGES) & 1)
     part, l_part = _products(p, v_bufs.index(prev), ones, part, l_part, HEAD_DIM, BM, BN)
     mbarrier.arrive(turn.index(1 - WG))
-    s = warpgroup_mma_wait(2, deps=(s,))
+    # A key bias's edge tiles take tile j-1's products before their softmax: its
+    # accumulators, freed, make room for the biases (one or two tiles a row: the stall
+    # is cheap; carried through the softmax, they spilled at D = 128).
+    EARLY: gl.constexpr = KEY_BIAS and MASKED
+    if EARLY:
+        s, part, l_part = warpgroup_mma_wait(0, deps=(s, part, l_part))
+        mbarrier.arrive(v_empty.index(prev))
+        acc, l_acc = _accumulate(acc, part, l_acc, l_part, alpha)
+    else:
+        s = warpgroup_mma_wait(2, deps=(s,))
     mbarrier.arrive(k_empty.index(stage))
-    x, t = _scores(s, row_t, ks_ptr, j, rows, NK, DIAGONAL, WINDOW, BN, CAUSAL, WINDOWED, MASKED, EXP)
-    m_new = gl.maximum(m_i, gl.ceil(_row_max(x, t, EXP)), propagate_nan=tl.PropagateNan.ALL)
+    x, t = _scores(s, row_t, ks_ptr, bias_row, j, rows, NK, DIAGONAL, WINDOW, BN, CAUSAL, WINDOWED, MASKED, EXP,
+                   KEY_BIAS)
+    m_new = gl.maximum(m_i, gl.ceil(_row_max(x, t, EXP or KEY_BIAS)), propagate_nan=tl.PropagateNan.ALL)
     alpha_new = gl.where(m_new == m_i, 1.0, gl.exp2(m_i - m_new))
-    p = _probability(x, t[:, None], m_new[:, None], EXP)
-    part, l_part = warpgroup_mma_wait(0, deps=(part, l_part))
-    mbarrier.arrive(v_empty.index(prev))
+    p = _probability(x, t[:, None], m_new[:, None], EXP, KEY_BIAS)
+    if not EARLY:
+        part, l_part = warpgroup_mma_wait(0, deps=(part, l_part))
+        mbarrier.arrive(v_empty.index(prev))
+        acc, l_acc = _accumulate(acc, part, l_acc, l_part, alpha)
+    return acc, part, l_acc, l_part, m_new, p, alpha_new
+
+
+@gluon.jit
+def _accumulate(acc, part, l_acc, l_part, alpha):
+    """The running sums moved by alpha, plus a tile's products (two-level accumulation)."""
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None] + part
     l_acc = l_acc * gl.convert_layout(alpha, gl.SliceLayout(1, l_acc.type.layout))[:, None] + l_part
-    return acc, part, l_acc, l_part, m_new, p, alpha_new
+    return acc, l_acc
 
 
 @gluon.jit
@@ -239,11 +275,11 @@ def _store_rows(ptr, tile, row0, col0, b, head, N, out_strides):
 
 
 @gluon.jit
-def _consumer(qs_ptr, ks_ptr, vs_ptr, out_ptr, lse_ptr, ref_ptr, smem, bars, out_strides, row_strides,
+def _consumer(qs_ptr, ks_ptr, vs_ptr, out_ptr, lse_ptr, ref_ptr, bias_row, smem, bars, out_strides, row_strides,
               bh, kv_head, start_m, H, NQ, NK, DIAGONAL, WINDOW, tiles,
               WG: gl.constexpr, HEAD_DIM: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
               STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOWED: gl.constexpr, EXP: gl.constexpr,
-              LIFT: gl.constexpr, EMPTY_ROW: gl.constexpr):
+              LIFT: gl.constexpr, EMPTY_ROW: gl.constexpr, KEY_BIAS: gl.constexpr):
     lo, n_iter, full_lo, full_hi = tiles
     q_smem, k_bufs, v_bufs, ones = smem
     q_bar, k_ready, k_empty, v_ready, v_empty, turn = bars
@@ -270,27 +306,34 @@ def _consumer(qs_ptr, ks_ptr, vs_ptr, out_ptr, lse_ptr, ref_ptr, smem, bars, out
     mbarrier.arrive(turn.index(1 - WG))
     s = warpgroup_mma_wait(0, deps=(s,))
     mbarrier.arrive(k_empty.index(0))
-    x, t = _scores(s, row_t, ks_ptr, lo, rows, NK, DIAGONAL, WINDOW, BN, CAUSAL, WINDOWED, True, EXP)
-    m_i = gl.ceil(_row_max(x, t, EXP))
+    x, t = _scores(s, row_t, ks_ptr, bias_row, lo, rows, NK, DIAGONAL, WINDOW, BN, CAUSAL, WINDOWED, True, EXP,
+                   KEY_BIAS)
+    m_i = gl.ceil(_row_max(x, t, EXP or KEY_BIAS))
     state = (gl.zeros([BM, HEAD_DIM], gl.float32, o_layout), gl.zeros([BM, HEAD_DIM], gl.float32, o_layout),
              gl.zeros([BM, ONES_N], gl.float32, l_layout), gl.zeros([BM, ONES_N], gl.float32, l_layout),
-             m_i, _probability(x, t[:, None], m_i[:, None], EXP), gl.full([BM], 1.0, gl.float32, row_s))
+             m_i, _probability(x, t[:, None], m_i[:, None], EXP, KEY_BIAS), gl.full([BM], 1.0, gl.float32, row_s))
     # Tiles lo+1 .. hi-1: masked below full_lo (a window's lower edge), unmasked up to
-    # full_hi, masked after (the diagonal, the keys' end).
+    # full_hi, masked after (the diagonal, the keys' end, a key bias's last edge tile).
+    # A masked loop before the unmasked one costs the unmasked one ~35 % more
+    # instructions (the compiler carries P's codes unpacked into a second loop,
+    # docs/perf-notes.md), so a key bias has none: its first edge tile is tile lo, and a
+    # bias whose zero run starts later leaves every tile to the last loop.
     hi = lo + n_iter
     b1 = lo + 1
+    if KEY_BIAS and not WINDOWED:
+        full_hi = gl.where(full_lo <= b1, full_hi, b1)
     if WINDOWED:
         b1 = gl.minimum(gl.maximum(full_lo, b1), hi)
         for j in range(lo + 1, b1):
-            state = _step(j - lo, j, state, q, s_zero, row_t, rows, ks_ptr, NK, DIAGONAL, WINDOW, smem, bars, WG,
-                          HEAD_DIM, BM, BN, STAGES, CAUSAL, WINDOWED, EXP, True)
+            state = _step(j - lo, j, state, q, s_zero, row_t, rows, ks_ptr, bias_row, NK, DIAGONAL, WINDOW, smem,
+                          bars, WG, HEAD_DIM, BM, BN, STAGES, CAUSAL, WINDOWED, EXP, True, KEY_BIAS)
     b2 = gl.minimum(gl.maximum(full_hi, b1), hi)
     for j in range(b1, b2):
-        state = _step(j - lo, j, state, q, s_zero, row_t, rows, ks_ptr, NK, DIAGONAL, WINDOW, smem, bars, WG,
-                      HEAD_DIM, BM, BN, STAGES, CAUSAL, WINDOWED, EXP, False)
+        state = _step(j - lo, j, state, q, s_zero, row_t, rows, ks_ptr, bias_row, NK, DIAGONAL, WINDOW, smem, bars,
+                      WG, HEAD_DIM, BM, BN, STAGES, CAUSAL, WINDOWED, EXP, False, KEY_BIAS)
     for j in range(b2, hi):
-        state = _step(j - lo, j, state, q, s_zero, row_t, rows, ks_ptr, NK, DIAGONAL, WINDOW, smem, bars, WG,
-                      HEAD_DIM, BM, BN, STAGES, CAUSAL, WINDOWED, EXP, True)
+        state = _step(j - lo, j, state, q, s_zero, row_t, rows, ks_ptr, bias_row, NK, DIAGONAL, WINDOW, smem, bars,
+                      WG, HEAD_DIM, BM, BN, STAGES, CAUSAL, WINDOWED, EXP, True, KEY_BIAS)
     acc, part, l_acc, l_part, m_i, p, alpha = state
     last = (n_iter - 1) % STAGES
     mbarrier.wait(v_ready.index(last), ((n_iter - 1) // STAGES) & 1)
@@ -366,6 +409,21 @@ def _program_tiles(NK, GROUP, DIAGONAL, WINDOW, BM: gl.constexpr, BN: gl.constex
 
 
 @gluon.jit
+def _key_bias_tiles(tiles, ranges_ptr):
+    """``_program_tiles``' tiles narrowed to a key bias row's (``key_bias.tile_ranges`` at
+    ``ranges_ptr``): wholly masked tiles skipped, only its zero tiles unmasked.  Where no
+    visible tile keeps a key, the first visible tile runs alone (its keys all masked: the
+    rows come out with no visible key, as the reference's)."""
+    lo, n_iter, full_lo, full_hi = tiles
+    kept_lo = gl.maximum(lo, gl.load(ranges_ptr))
+    kept_hi = gl.minimum(lo + n_iter, gl.load(ranges_ptr + 1))
+    none = kept_hi <= kept_lo
+    lo = gl.where(none, lo, kept_lo)
+    n_iter = gl.where(none, 1, kept_hi - kept_lo)
+    return (lo, n_iter, gl.maximum(full_lo, gl.load(ranges_ptr + 2)), gl.minimum(full_hi, gl.load(ranges_ptr + 3)))
+
+
+@gluon.jit
 def _ring_barriers(STAGES: gl.constexpr, CONSUMERS: gl.constexpr = 2):
     """The mbarriers of a producer warp and CONSUMERS consumer partitions: one for the
     operands loaded once per program, and ready/empty pairs of two rings of STAGES slots
@@ -397,14 +455,19 @@ def _ping_pong_barriers(STAGES: gl.constexpr):
 
 
 @gluon.jit
-def _fwd_ws(q_desc, k_desc, v_desc, qs_ptr, ks_ptr, vs_ptr, out_ptr, lse_ptr, ref_ptr,
-            stride_ob, stride_oh, stride_om, stride_od, stride_rb, stride_rm, stride_ksb,
+def _fwd_ws(q_desc, k_desc, v_desc, qs_ptr, ks_ptr, vs_ptr, out_ptr, lse_ptr, ref_ptr, bias_ptr, ranges_ptr,
+            stride_ob, stride_oh, stride_om, stride_od, stride_rb, stride_rm, stride_ksb, bias_row_b, bias_row_h,
             H, GROUP, NQ, NK, DIAGONAL, WINDOW,
             HEAD_DIM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
             WINDOWED: gl.constexpr, EXP: gl.constexpr, LIFT: gl.constexpr, EMPTY_ROW: gl.constexpr,
-            CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+            KEY_BIAS: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     BM: gl.constexpr = q_desc.block_type.shape[1]
     start_m, bh, kv_head, tiles = _program_tiles(NK, GROUP, DIAGONAL, WINDOW, BM, BN, CAUSAL, WINDOWED)
+    bias_row = bias_ptr
+    if KEY_BIAS:
+        row = (bh // H) * bias_row_b + (bh % H) * bias_row_h
+        tiles = _key_bias_tiles(tiles, ranges_ptr + row * 4)
+        bias_row = bias_ptr + row.to(gl.int64) * NK
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
     k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
@@ -423,12 +486,12 @@ def _fwd_ws(q_desc, k_desc, v_desc, qs_ptr, ks_ptr, vs_ptr, out_ptr, lse_ptr, re
     row_strides = (stride_rb, stride_rm)
     ks_head = ks_ptr + kv_head * stride_ksb
     gl.warp_specialize([
-        (_consumer, (qs_ptr, ks_head, vs_ptr, out_ptr, lse_ptr, ref_ptr, smem, bars, out_strides, row_strides,
-                     bh, kv_head, start_m, H, NQ, NK, DIAGONAL, WINDOW, tiles, 0, HEAD_DIM, BM, BN, STAGES, CAUSAL,
-                     WINDOWED, EXP, LIFT, EMPTY_ROW)),
-        (_consumer, (qs_ptr, ks_head, vs_ptr, out_ptr, lse_ptr, ref_ptr, smem, bars, out_strides, row_strides,
-                     bh, kv_head, start_m, H, NQ, NK, DIAGONAL, WINDOW, tiles, 1, HEAD_DIM, BM, BN, STAGES, CAUSAL,
-                     WINDOWED, EXP, LIFT, EMPTY_ROW)),
+        (_consumer, (qs_ptr, ks_head, vs_ptr, out_ptr, lse_ptr, ref_ptr, bias_row, smem, bars, out_strides,
+                     row_strides, bh, kv_head, start_m, H, NQ, NK, DIAGONAL, WINDOW, tiles, 0, HEAD_DIM, BM, BN,
+                     STAGES, CAUSAL, WINDOWED, EXP, LIFT, EMPTY_ROW, KEY_BIAS)),
+        (_consumer, (qs_ptr, ks_head, vs_ptr, out_ptr, lse_ptr, ref_ptr, bias_row, smem, bars, out_strides,
+                     row_strides, bh, kv_head, start_m, H, NQ, NK, DIAGONAL, WINDOW, tiles, 1, HEAD_DIM, BM, BN,
+                     STAGES, CAUSAL, WINDOWED, EXP, LIFT, EMPTY_ROW, KEY_BIAS)),
         (_producer, (q_desc, k_desc, v_desc, smem, bars, bh, start_m, kv_head, tiles[0], tiles[1], NK, BM, BN,
                      STAGES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -440,7 +503,7 @@ def supports(q, k, v_t, q_scale, bias, p_mode, lse, row_ref) -> bool:
     b, h, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
     rows = (h * nq, nq, 1)
-    return (p_mode in ("direct", "exp") and bias is None and d in (64, 128) and k.shape[-1] == d
+    return (p_mode in ("direct", "exp") and (bias is None or key_row_bias(bias, b, h, nq, nk)) and d in (64, 128) and k.shape[-1] == d
             and tuple(v_t.shape[-2:]) == (d, nk) and b * h > 0 and nq > 0 and nk > 0 and nk % 16 == 0
             and h % hkv == 0 and b * h < 65536  # the grid's second dimension
             and q.dtype == k.dtype == torch.int8 and v_t.dtype == F.E4M3
@@ -460,18 +523,23 @@ def _default_layout(block: tuple, dtype):
     return gl.NVMMASharedLayout.get_default_for(list(block), dtype)
 
 
-def _constexprs(d: int, causal: bool, p_mode: str, windowed: bool = False) -> dict:
+def _constexprs(d: int, causal: bool, p_mode: str, windowed: bool = False, key_bias: bool = False) -> dict:
     return dict(HEAD_DIM=d, BN=BLOCK_N, STAGES=NUM_STAGES, CAUSAL=bool(causal), WINDOWED=bool(causal and windowed),
-                EXP=p_mode == "exp", LIFT=F.p_lift(p_mode), EMPTY_ROW=F.EMPTY_ROW_LOG2, **_REGS)
+                EXP=p_mode == "exp", LIFT=F.p_lift(p_mode), EMPTY_ROW=F.EMPTY_ROW_LOG2, KEY_BIAS=key_bias, **_REGS)
 
 
 def attention_forward(q, k, v_t, q_scale, k_scale, v_scale, bias, causal, p_mode, out, lse, row_ref, diagonal=0,
                       window=0):
     """The Triton launcher's contract, for the calls ``supports`` accepts: the causal
-    structure of ``formats.visible`` (``diagonal``, ``window``) too."""
+    structure of ``formats.visible`` (``diagonal``, ``window``) too, and key-padding
+    biases (``key_bias``)."""
     assert supports(q, k, v_t, q_scale, bias, p_mode, lse, row_ref)
     b, h, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
+    bias_rows, ranges, row_b, row_h = q_scale, q_scale, 0, 0  # never read without a bias
+    if bias is not None:
+        bias_rows, row_b, row_h = key_rows(bias, b, h, nq, nk)
+        ranges = tile_ranges(bias_rows, BLOCK_N)
     q_block, k_block, v_block = [1, BM_WG, d], [BLOCK_N // 16, 2, 4, 2, d], [1, d, BLOCK_N]
     q_desc = TensorDescriptor.from_tensor(q.view(b * h, nq, d), q_block, _layout(q_block, gl.int8))
     # K as [16-key chunks of all heads, jl, q, b, D]: see _key_order.
@@ -480,10 +548,10 @@ def attention_forward(q, k, v_t, q_scale, k_scale, v_scale, bias, causal, p_mode
     v_desc = TensorDescriptor.from_tensor(v_t.view(b * hkv, d, nk), v_block, _layout(v_block, gl.float8e4nv))
     k_scale, v_scale = k_scale.float().reshape(b * hkv, -1), v_scale.float().reshape(-1)
     _fwd_ws[(triton.cdiv(nq, 2 * BM_WG), b * h)](
-        q_desc, k_desc, v_desc, q_scale.float(), k_scale, v_scale, out, lse, row_ref,
-        *out.stride(), lse.stride(1), lse.stride(2), k_scale.stride(0), h, h // hkv, nq, nk,
+        q_desc, k_desc, v_desc, q_scale.float(), k_scale, v_scale, out, lse, row_ref, bias_rows, ranges,
+        *out.stride(), lse.stride(1), lse.stride(2), k_scale.stride(0), row_b, row_h, h, h // hkv, nq, nk,
         int(diagonal) if causal else 0, int(window) if causal else 0,
-        **_constexprs(d, causal, p_mode, bool(window)), **_LAUNCH)
+        **_constexprs(d, causal, p_mode, bool(window), bias is not None), **_LAUNCH)
 
 
 def _tensor_desc(dt: str, block: list[int], dtype) -> str:
@@ -503,10 +571,11 @@ def _compile_sm90(kernel, sig: dict, consts: dict, launch: dict = _LAUNCH):
                           options=launch)
 
 
-def compile_for_sm90(d: int, causal: bool, p_mode: str = "direct", windowed: bool = False):
+def compile_for_sm90(d: int, causal: bool, p_mode: str = "direct", windowed: bool = False, key_bias: bool = False):
     """Compile without a GPU (Triton's bundled ptxas), for inspection: the compiled kernel."""
     sig = {"q_desc": _tensor_desc("i8", [1, BM_WG, d], gl.int8),
            "k_desc": _tensor_desc("i8", [BLOCK_N // 16, 2, 4, 2, d], gl.int8),
            "v_desc": _tensor_desc("fp8e4nv", [1, d, BLOCK_N], gl.float8e4nv), "qs_ptr": "*fp32", "ks_ptr": "*fp32",
-           "vs_ptr": "*fp32", "out_ptr": "*bf16", "lse_ptr": "*fp32", "ref_ptr": "*fp32"}
-    return _compile_sm90(_fwd_ws, sig, _constexprs(d, causal, p_mode, windowed))
+           "vs_ptr": "*fp32", "out_ptr": "*bf16", "lse_ptr": "*fp32", "ref_ptr": "*fp32", "bias_ptr": "*fp32",
+           "ranges_ptr": "*i32"}
+    return _compile_sm90(_fwd_ws, sig, _constexprs(d, causal, p_mode, windowed, key_bias))

@@ -1,0 +1,87 @@
+"""Key-padding biases for the Gluon forward: one log2 bias row per (batch, head), the same
+for every query (``formats.mask_to_log2_bias`` of a ``[B, Nk]`` key-padding vector, or
+any additive bias that does not vary over queries), and which of its key tiles the
+kernel may skip or run without the bias.
+
+A padded batch row keeps one contiguous run of keys (right padding in training, left
+padding in generation), so its tiles are: wholly masked (skipped: every bias at or below
+``formats.MASKED_LOG2`` gives P = 0, and a row left with no tile is a row with no
+visible key, as in the reference), wholly zero (the unmasked path, without reading the
+bias), and at most one edge tile at each end, which adds the bias.  ``tile_ranges``
+finds those on the device, in one small launch and no host synchronisation; a bias row
+of other values simply has no zero run and adds the bias in every tile.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ... import formats as F
+
+TILES_PER_STEP = 16  # key tiles each step of _tile_ranges reads (2048 biases at 128 keys)
+
+
+def key_rows(bias: torch.Tensor, b: int, h: int, nq: int, nk: int):
+    """``bias`` (broadcastable to [B, H, Nq, Nk]) as float32 rows [R, Nk] with the row of
+    (batch, head) at ``batch * row_b + head * row_h``: (rows, row_b, row_h); None where
+    the bias varies over queries (the Triton kernel's dense path takes those)."""
+    if not key_row_bias(bias, b, h, nq, nk):
+        return None
+    full = bias.expand(b, h, nq, nk)[:, :, 0, :]
+    if full.stride(1) == 0 or h == 1:
+        return full[:, 0].float().contiguous(), 1, 0
+    if full.stride(0) == 0 or b == 1:
+        return full[0].float().contiguous(), 0, 1
+    return full.float().reshape(b * h, nk).contiguous(), h, 1
+
+
+def key_row_bias(bias: torch.Tensor, b: int, h: int, nq: int, nk: int) -> bool:
+    """Whether ``bias`` is the same row of key biases for every query."""
+    if not bias.is_floating_point() or bias.dim() != 4:
+        return False
+    try:
+        full = bias.expand(b, h, nq, nk)
+    except RuntimeError:
+        return False
+    return full.stride(2) == 0 or nq == 1
+
+
+@triton.jit
+def _tile_ranges(rows_ptr, out_ptr, NK, TILES, MASKED: tl.constexpr, BN: tl.constexpr, STEP: tl.constexpr):
+    """Per bias row: the first and one past the last tile with a key that is not masked
+    (bias above MASKED, or NaN), and the run of tiles whose biases are all zero (empty
+    unless those tiles are contiguous).  Keys past NK count as masked, not zero."""
+    r = tl.program_id(0)
+    base = rows_ptr + r.to(tl.int64) * NK
+    cols = tl.arange(0, BN)
+    lo = TILES
+    hi = TILES * 0
+    z_lo = TILES
+    z_hi = TILES * 0
+    n_zero = TILES * 0
+    for t0 in range(0, TILES, STEP):
+        tile = t0 + tl.arange(0, STEP)
+        keys = tile[:, None] * BN + cols[None, :]
+        x = tl.load(base + keys, mask=keys < NK, other=MASKED)
+        kept = tl.max(((x > MASKED) | (x != x)).to(tl.int32), 1) > 0  # NaN counts as kept
+        zero = tl.min((x == 0.0).to(tl.int32), 1) > 0
+        lo = tl.minimum(lo, tl.min(tl.where(kept, tile, TILES)))
+        hi = tl.maximum(hi, tl.max(tl.where(kept, tile + 1, 0)))
+        z_lo = tl.minimum(z_lo, tl.min(tl.where(zero, tile, TILES)))
+        z_hi = tl.maximum(z_hi, tl.max(tl.where(zero, tile + 1, 0)))
+        n_zero += tl.sum(zero.to(tl.int32))
+    z_hi = tl.where(n_zero == z_hi - z_lo, z_hi, z_lo)
+    i = tl.arange(0, 4)
+    tl.store(out_ptr + r * 4 + i, tl.where(i == 0, lo, tl.where(i == 1, hi, tl.where(i == 2, z_lo, z_hi))))
+
+
+def tile_ranges(rows: torch.Tensor, block_n: int) -> torch.Tensor:
+    """int32 [R, 4] of ``key_rows``' rows: (first kept tile, one past the last kept tile,
+    first and one past the last tile of the zero run) in tiles of ``block_n`` keys."""
+    r, nk = rows.shape
+    out = torch.empty(r, 4, dtype=torch.int32, device=rows.device)
+    _tile_ranges[(r,)](rows, out, nk, triton.cdiv(nk, block_n), MASKED=F.MASKED_LOG2, BN=block_n,
+                       STEP=TILES_PER_STEP)
+    return out
