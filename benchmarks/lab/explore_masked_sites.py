@@ -1,15 +1,18 @@
-"""Key-padded sites against the unmasked kernel on the same visible work (issue: masked
-sites within 5 % of the unmasked kernel): the Gluon forward with a key-padding bias row
-(``kernels/gluon/key_bias.py``), the Triton kernel on the same bias, and the Gluon kernel
-without a mask, P mode direct, on the same quantized operands.
+"""Masked sites against the unmasked kernel on the same visible work (issue: masked sites
+within 5 % of the unmasked kernel): key padding (``kernels/gluon/key_bias.py``) and a
+4096-key sliding window, P mode direct.  Per case: the Gluon forward with the mask, the
+Triton kernel on the same mask (which ran every padded site before), the Gluon kernel
+without it (plain causal for the window) on the same quantized operands; what the backend
+runs (``ops.quantized_forward``: quantization, the bias, the dispatch) and torch's BF16
+SDPA on the dense boolean mask an HF model in sdpa mode builds (the peer).
 
     python benchmarks/lab/explore_masked_sites.py
 
-B = 16384 // N sequences of H = 2048 // D heads; each sequence keeps a random number of
-keys between N/2 and N (seeded), at its end (right padding, training batches) or its
-start (left padding, generation), causal or not.  TFLOP/s are counted on the visible
-(query, key) pairs, so a kernel that skips the padded tiles and loses nothing on the edge
-tiles matches the unmasked kernel's TFLOP/s.  Writes
+B = 16384 // N sequences of H = 2048 // D heads; each padded sequence keeps a random
+number of keys between N/2 and N (seeded), at its end (right padding, training batches)
+or its start (left padding, generation), causal or not.  TFLOP/s are counted on the
+visible (query, key) pairs, so a kernel that skips the masked tiles and loses nothing on
+the edge tiles matches the unmasked kernel's TFLOP/s.  Writes
 benchmarks/results/lab/explore_masked_sites_h200.json.
 """
 
@@ -26,11 +29,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common as C  # noqa: E402
 
 from fp4_inductor import formats as F  # noqa: E402
+from fp4_inductor.ops import quantized_forward  # noqa: E402
 from fp4_inductor.kernels.gluon import attention_fwd as G  # noqa: E402
 from fp4_inductor.kernels.triton import attention_fwd as A  # noqa: E402
 
-CASES = [(d, n, causal, side) for d in (128, 64) for n in (4096, 8192)
-         for causal, side in ((True, "right"), (True, "left"), (False, "right"))]
+WINDOW = 4096
+CASES = ([(d, 8192, causal, side) for d in (128, 64) for causal, side in ((True, "right"), (True, "left"), (False, "right"))]
+         + [(d, 16384, True, "window") for d in (128, 64)])
 
 
 def key_padding(b: int, n: int, side: str, generator) -> torch.Tensor:
@@ -40,51 +45,64 @@ def key_padding(b: int, n: int, side: str, generator) -> torch.Tensor:
     return pos[None, :] < lengths[:, None]
 
 
-def visible_pairs(keep: torch.Tensor, causal: bool) -> int:
-    """(query, key) pairs with P possibly non-zero, summed over sequences (one head)."""
-    n = keep.shape[1]
-    if not causal:
-        return int(keep.sum()) * n
-    # query i sees kept keys j <= i: the running count of kept keys
-    return int(keep.long().cumsum(1).sum())
+def dense_mask(keep: torch.Tensor | None, n: int, causal: bool, window: int) -> torch.Tensor:
+    """What an HF model in sdpa mode hands SDPA: [B or 1, 1, N, N] booleans."""
+    i = torch.arange(n)[:, None]
+    j = torch.arange(n)[None, :]
+    mask = (j <= i) & (j > i - window) if window else (j <= i) if causal else torch.ones(n, n, dtype=torch.bool)
+    mask = mask[None, None]
+    return mask if keep is None else mask & keep[:, None, None, :]
 
 
 def main():
-    doc = {"environment": C.environment(), "rows": []}
+    doc = {"environment": C.environment(), "window": WINDOW, "rows": []}
     gen = torch.Generator().manual_seed(0)
     for d, n, causal, side in tqdm(CASES):
         torch.manual_seed(0)
         b, h = C.fa3_shape(n, d)
-        _, ops = C.quantized_inputs(b, h, h, n, n, d, "direct")
-        keep = key_padding(b, n, side, gen)
-        bias = F.mask_to_log2_bias(None, keep.cuda())
-        row = {"d": d, "n": n, "causal": causal, "padding": side, "b": b, "h": h,
-               "kept_fraction": keep.float().mean().item()}
-        masked_flops = 4.0 * h * d * visible_pairs(keep, causal)
-        plain_flops = C.attention_flops(b, h, n, n, d, causal)
+        (q, k, v), ops = C.quantized_inputs(b, h, h, n, n, d, "direct")
+        window = WINDOW if side == "window" else 0
+        keep = None if window else key_padding(b, n, side, gen)
+        bias = None if keep is None else F.mask_to_log2_bias(None, keep.cuda())
+        mask = dense_mask(keep, n, causal, window)
+        visible = int(mask.sum()) * h * (b if mask.shape[0] == 1 else 1)
+        row = {"d": d, "n": n, "causal": causal, "mask": side, "window": window, "b": b, "h": h,
+               "visible_fraction": visible / (b * h * n * n)}
+        flops = {"masked": 4.0 * d * visible, "unmasked": C.attention_flops(b, h, n, n, d, causal)}
+        dense = mask.cuda()
+        structure = {"window": window} if window else {}
+        runs = {
+            "gluon": ("masked", lambda out: G.attention_forward(*ops, bias, causal, "direct", *out, **structure)),
+            "triton": ("masked", lambda out: A.attention_forward(*ops, bias, causal, "direct", *out, **structure)),
+            "gluon_unmasked": ("unmasked", lambda out: G.attention_forward(*ops, None, causal, "direct", *out)),
+            "ours_with_quant": ("masked", lambda out: quantized_forward(q, k, v, bias, d ** -0.5, causal, "fp8",
+                                                                        "direct", window=window)),
+            "sdpa_bf16_dense_mask": ("masked", lambda out: torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, attn_mask=dense)),
+        }
         outs = {}
-        for name, launch, mask, flops in (("gluon_padded", G.attention_forward, bias, masked_flops),
-                                          ("triton_padded", A.attention_forward, bias, masked_flops),
-                                          ("gluon_unmasked", G.attention_forward, None, plain_flops)):
+        for name, (work, launch) in runs.items():
             out = C.empty_outputs(b, h, n, d)
-            run = lambda: launch(*ops, mask, causal, "direct", *out)  # noqa: E731
-            run()
-            row[f"{name}_ms"] = do_bench(run, return_mode="median")
-            row[f"{name}_visible_tflops"] = flops / row[f"{name}_ms"] / 1e9
-            outs[name] = out[0].float()
-        live = outs["triton_padded"].abs().sum(-1) > 0
-        row["max_abs_diff_gluon_triton"] = (outs["gluon_padded"] - outs["triton_padded"])[live].abs().max().item()
-        row["padded_over_unmasked_tflops"] = row["gluon_padded_visible_tflops"] / row["gluon_unmasked_visible_tflops"]
-        row["triton_over_gluon_padded"] = row["triton_padded_ms"] / row["gluon_padded_ms"]
+            result = launch(out)
+            row[f"{name}_ms"] = do_bench(lambda: launch(out), return_mode="median")
+            row[f"{name}_visible_tflops"] = flops[work] / row[f"{name}_ms"] / 1e9
+            outs[name] = (out[0] if result is None else result if torch.is_tensor(result) else result[0]).float()
+        live = outs["triton"].abs().sum(-1) > 0
+        row["max_abs_diff_gluon_triton"] = (outs["gluon"] - outs["triton"])[live].abs().max().item()
+        row["max_abs_diff_ours_sdpa"] = (outs["ours_with_quant"] - outs["sdpa_bf16_dense_mask"])[live].abs().max().item()
+        row["masked_over_unmasked_tflops"] = row["gluon_visible_tflops"] / row["gluon_unmasked_visible_tflops"]
+        row["triton_over_gluon"] = row["triton_ms"] / row["gluon_ms"]
+        row["sdpa_over_ours_with_quant"] = row["sdpa_bf16_dense_mask_ms"] / row["ours_with_quant_ms"]
         doc["rows"].append(row)
-        del ops, outs
+        del ops, outs, dense
     C.save(doc, os.path.join(C.RESULTS, "lab", "explore_masked_sites_h200.json"))
-    print(f"{'D':>4s} {'N':>6s} {'causal':>6s} {'pad':>5s} {'kept':>5s}  visible TFLOP/s: Gluon padded / unmasked"
-          f"  (ratio)  Triton padded ms / Gluon padded ms")
+    print(f"{'D':>4s} {'N':>6s} {'causal':>6s} {'mask':>6s} {'vis':>5s}  visible TFLOP/s: Gluon masked / unmasked"
+          f" (ratio)  Triton/Gluon ms  SDPA-dense-mask / ours+quant ms")
     for r in doc["rows"]:
-        print(f"{r['d']:4d} {r['n']:6d} {str(r['causal']):>6s} {r['padding']:>5s} {r['kept_fraction']:5.2f}  "
-              f"{r['gluon_padded_visible_tflops']:6.0f} / {r['gluon_unmasked_visible_tflops']:6.0f}"
-              f"  ({r['padded_over_unmasked_tflops']:.3f})  {r['triton_over_gluon_padded']:.2f}")
+        print(f"{r['d']:4d} {r['n']:6d} {str(r['causal']):>6s} {r['mask']:>6s} {r['visible_fraction']:5.2f}  "
+              f"{r['gluon_visible_tflops']:6.0f} / {r['gluon_unmasked_visible_tflops']:6.0f}"
+              f" ({r['masked_over_unmasked_tflops']:.3f})  {r['triton_over_gluon']:.2f}"
+              f"  {r['sdpa_over_ours_with_quant']:.2f}")
 
 
 if __name__ == "__main__":

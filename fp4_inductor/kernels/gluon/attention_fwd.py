@@ -312,21 +312,23 @@ def _consumer(qs_ptr, ks_ptr, vs_ptr, out_ptr, lse_ptr, ref_ptr, bias_row, smem,
     state = (gl.zeros([BM, HEAD_DIM], gl.float32, o_layout), gl.zeros([BM, HEAD_DIM], gl.float32, o_layout),
              gl.zeros([BM, ONES_N], gl.float32, l_layout), gl.zeros([BM, ONES_N], gl.float32, l_layout),
              m_i, _probability(x, t[:, None], m_i[:, None], EXP, KEY_BIAS), gl.full([BM], 1.0, gl.float32, row_s))
-    # Tiles lo+1 .. hi-1: masked below full_lo (a window's lower edge), unmasked up to
-    # full_hi, masked after (the diagonal, the keys' end, a key bias's last edge tile).
-    # A masked loop before the unmasked one costs the unmasked one ~35 % more
-    # instructions (the compiler carries P's codes unpacked into a second loop,
-    # docs/perf-notes.md), so a key bias has none: its first edge tile is tile lo, and a
-    # bias whose zero run starts later leaves every tile to the last loop.
+    # Tiles lo+1 .. hi-1: unmasked from b1 up to full_hi, masked after (the diagonal, the
+    # keys' end, a key bias's last edge tile).  No loop runs before the unmasked one: in a
+    # second loop the compiler carries P's codes unpacked and repacks them every tile
+    # (~35 % more instructions, docs/perf-notes.md).  So a window's lower edge, at most
+    # tiles lo and lo + 1 (its 128 rows' edges span 128 keys), is the prologue's tile and
+    # one more straight-line step (``_fwd_ws`` gives windowed programs two tiles at
+    # least; a tile past the visible ones is masked out whole); a key bias's first edge
+    # tile is tile lo; and where tiles b1.. are not all unmasked (a bias whose zero run
+    # starts later), every tile goes to the last loop.
     hi = lo + n_iter
     b1 = lo + 1
-    if KEY_BIAS and not WINDOWED:
-        full_hi = gl.where(full_lo <= b1, full_hi, b1)
     if WINDOWED:
-        b1 = gl.minimum(gl.maximum(full_lo, b1), hi)
-        for j in range(lo + 1, b1):
-            state = _step(j - lo, j, state, q, s_zero, row_t, rows, ks_ptr, bias_row, NK, DIAGONAL, WINDOW, smem,
-                          bars, WG, HEAD_DIM, BM, BN, STAGES, CAUSAL, WINDOWED, EXP, True, KEY_BIAS)
+        state = _step(1, lo + 1, state, q, s_zero, row_t, rows, ks_ptr, bias_row, NK, DIAGONAL, WINDOW, smem, bars,
+                      WG, HEAD_DIM, BM, BN, STAGES, CAUSAL, WINDOWED, EXP, True, KEY_BIAS)
+        b1 = lo + 2
+    if WINDOWED or KEY_BIAS:
+        full_hi = gl.where(full_lo <= b1, full_hi, b1)
     b2 = gl.minimum(gl.maximum(full_hi, b1), hi)
     for j in range(b1, b2):
         state = _step(j - lo, j, state, q, s_zero, row_t, rows, ks_ptr, bias_row, NK, DIAGONAL, WINDOW, smem, bars,
@@ -468,6 +470,8 @@ def _fwd_ws(q_desc, k_desc, v_desc, qs_ptr, ks_ptr, vs_ptr, out_ptr, lse_ptr, re
         row = (bh // H) * bias_row_b + (bh % H) * bias_row_h
         tiles = _key_bias_tiles(tiles, ranges_ptr + row * 4)
         bias_row = bias_ptr + row.to(gl.int64) * NK
+    if WINDOWED:  # the consumers' second step is straight-line code (``_consumer``)
+        tiles = (tiles[0], gl.maximum(tiles[1], 2), tiles[2], tiles[3])
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
     k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
