@@ -9,7 +9,10 @@ at each measured N.  Forward: low precision is charged with its quantization pas
 into); BF16 is the faster of torch SDPA's cuDNN and flash backends, so the policy never
 assumes a slower fallback than the user would get.  Training (fwd+bwd, from
 ``bench_attention.py --training [--non-causal]``): our compiled forward + backward against
-the same SDPA backends.
+the same SDPA backends.  Masked sites (``--masked``, from
+``benchmarks/lab/explore_masked_sites.py``): key padding and sliding windows, keyed by
+the site's mask kind; low precision is what the backend runs (quantization counted), BF16
+is SDPA on the dense boolean mask, which is what such a site falls back to.
 """
 
 from __future__ import annotations
@@ -41,14 +44,32 @@ def _add_rates(rates, rows, paths, mode):
                 rates[name][key][str(row["n"])] = round(max(best, row["tflops"]), 1)
 
 
-def main(forward: str, *training: str) -> None:
+def _add_masked_rates(rates, rows):
+    """explore_masked_sites.py's rows, in the FLOPs the policy counts for the site (its
+    causal structure's, not the padding's): keyed like ``SiteShape.table_key``, left and
+    right padding sharing a key, the slower of them for low precision and the faster
+    for BF16, so the policy never credits the better case."""
+    for row in rows:
+        key = f"d{row['d']}/{'causal' if row['causal'] else 'full'}/fwd/{row['mask_kind'].split(' ')[0]}"
+        for path, name, pick in (("fp8", "ours_with_quant", min), ("bf16", "sdpa_bf16_dense_mask", max)):
+            rate = round(row[f"{name}_table_tflops"], 1)
+            old = rates[path][key].get(str(row["n"]))
+            rates[path][key][str(row["n"])] = rate if old is None else pick(old, rate)
+
+
+def main(forward: str, *training: str, masked: tuple[str, ...] = ()) -> None:
     """``training``: ``bench_attention.py --training`` JSONs (causal, and non-causal with
-    ``--non-causal``); their rows are keyed by their own causality."""
+    ``--non-causal``); their rows are keyed by their own causality.  ``masked``:
+    ``explore_masked_sites.py`` JSONs."""
     docs = [("fwd", forward, json.loads(Path(forward).read_text()))]
     docs += [("train", path, json.loads(Path(path).read_text())) for path in training]
     rates: dict = defaultdict(lambda: defaultdict(dict))
     for mode, _, doc in docs:
         _add_rates(rates, doc["results"], PATHS if mode == "fwd" else TRAINING_PATHS, mode)
+    for path in masked:
+        doc = json.loads(Path(path).read_text())
+        _add_masked_rates(rates, doc["rows"])
+        docs.append(("masked", path, {"env": doc["environment"]}))
     gpu = docs[0][2]["env"]["device"]
     table = {
         "gpu": gpu,
@@ -67,5 +88,6 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("forward", help="bench_attention.py's forward JSON")
     ap.add_argument("training", nargs="*", help="bench_attention.py --training JSONs (causal, non-causal)")
+    ap.add_argument("--masked", nargs="*", default=[], help="explore_masked_sites.py JSONs")
     args = ap.parse_args()
-    main(args.forward, *args.training)
+    main(args.forward, *args.training, masked=tuple(args.masked))

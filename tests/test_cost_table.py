@@ -115,3 +115,49 @@ def test_rescore_judges_the_timed_rows_with_the_shipped_table(tmp_path, monkeypa
     assert rescored[64]["bf16_ms"] == bf16_ms and rescored[64]["fp8_ms"] == bf16_ms * fp8_slower  # timings kept
     assert doc["summary"]["right"] == 2 and doc["summary"]["worst_regret"] == 0
     assert doc["env"]["table"] == "rebuilt" and doc["env"]["date"] == "2026-01-01T00:00:00" and "rescored" in doc["env"]
+
+
+def _masked_row(d, n, causal, mask, kind, ours, sdpa):
+    return {"d": d, "n": n, "causal": causal, "mask": mask, "mask_kind": kind,
+            "ours_with_quant_table_tflops": ours, "sdpa_bf16_dense_mask_table_tflops": sdpa,
+            "gluon_table_tflops": 5000.0}  # the kernel alone: not the path's cost
+
+
+def test_masked_sites_get_rates_by_mask_kind(tmp_path, monkeypatch, fresh_seed):
+    """``--masked``: explore_masked_sites.py's rows keyed by the site's mask kind, the
+    slower padding side for low precision and the faster BF16 row, which the policy then
+    finds for a key-padded site; a mask kind never measured keeps BF16."""
+    rng = random.Random(fresh_seed)
+    right, left, sdpa_a, sdpa_b, full, window = (rng.uniform(100, 900) for _ in range(6))
+    forward = tmp_path / "forward.json"
+    forward.write_text(json.dumps(_doc([_row("ours-direct+quant", 128, 4096, False, 800.0),
+                                        _row("sdpa-cudnn-bf16", 128, 4096, False, 600.0)], "2026-01-01")))
+    masked = tmp_path / "masked.json"
+    masked.write_text(json.dumps({"environment": {"device": "Test GPU", "date": "2026-01-04", "torch": "test"}, "rows": [
+        _masked_row(128, 8192, True, "right", "causal+padding", right, sdpa_a),
+        _masked_row(128, 8192, True, "left", "causal+padding", left, sdpa_b),
+        _masked_row(128, 8192, False, "right", "padding", full, sdpa_a),
+        _masked_row(128, 16384, True, "window", "window 4096", window, sdpa_b),
+    ]}))
+    out = tmp_path / "tables" / "test_gpu.json"
+    monkeypatch.setattr(policy, "table_path", lambda gpu: out)
+
+    _script("cost_table").main(str(forward), masked=(str(masked),))
+
+    doc = json.loads(out.read_text())
+    assert "2026-01-04" in doc["source"]
+    assert doc["tflops"]["fp8"]["d128/causal/fwd/causal+padding"] == {"8192": round(min(right, left), 1)}
+    assert doc["tflops"]["bf16"]["d128/causal/fwd/causal+padding"] == {"8192": round(max(sdpa_a, sdpa_b), 1)}
+    assert doc["tflops"]["fp8"]["d128/full/fwd/padding"] == {"8192": round(full, 1)}
+    assert doc["tflops"]["fp8"]["d128/causal/fwd/window"] == {"16384": round(window, 1)}
+
+    table = policy.CostTable.from_json(out.read_text())
+    shape = policy.SiteShape(b=2, h=16, hkv=16, nq=8192, nk=8192, d=128, causal=True, training=False,
+                             mask="causal+padding")
+    flops = shape.flops()
+    want = (flops / (round(max(sdpa_a, sdpa_b), 1) * 1e12)) / (flops / (round(min(right, left), 1) * 1e12)
+                                                               + table.launch_us * 1e-6)
+    assert table.speedup(shape, "fp8") == pytest.approx(want)
+    offset = policy.cost_model_decision(dataclasses.replace(shape, mask="causal+offset+padding"), "fp8", table,
+                                        "Test GPU")
+    assert offset.path == "bf16" and "no rate" in offset.reason

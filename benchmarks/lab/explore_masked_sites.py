@@ -6,18 +6,20 @@ without it (plain causal for the window) on the same quantized operands; what th
 runs (``ops.quantized_forward``: quantization, the bias, the dispatch) and torch's BF16
 SDPA on the dense boolean mask an HF model in sdpa mode builds (the peer).
 
-    python benchmarks/lab/explore_masked_sites.py
+    python benchmarks/lab/explore_masked_sites.py [--ns 2048 4096 8192 16384]
 
 B = 16384 // N sequences of H = 2048 // D heads; each padded sequence keeps a random
 number of keys between N/2 and N (seeded), at its end (right padding, training batches)
 or its start (left padding, generation), causal or not.  TFLOP/s are counted on the
 visible (query, key) pairs, so a kernel that skips the masked tiles and loses nothing on
 the edge tiles matches the unmasked kernel's TFLOP/s.  Writes
-benchmarks/results/lab/explore_masked_sites_h200.json.
+benchmarks/results/lab/explore_masked_sites_h200.json, which ``cost_table.py --masked``
+turns into the policy's rates for those mask kinds.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 
@@ -34,8 +36,14 @@ from fp4_inductor.kernels.gluon import attention_fwd as G  # noqa: E402
 from fp4_inductor.kernels.triton import attention_fwd as A  # noqa: E402
 
 WINDOW = 4096
-CASES = ([(d, 8192, causal, side) for d in (128, 64) for causal, side in ((True, "right"), (True, "left"), (False, "right"))]
-         + [(d, 16384, True, "window") for d in (128, 64)])
+SIDES = ((True, "right"), (True, "left"), (False, "right"))
+MASK_KINDS = {"right": "padding", "left": "padding", "window": f"window {WINDOW}"}  # Site.mask_kind()'s words
+
+
+def cases(ns):
+    """Padding at every N, the window where N > 2 windows; D = 128 then 64."""
+    return ([(d, n, causal, side) for d in (128, 64) for n in ns for causal, side in SIDES]
+            + [(d, n, True, "window") for d in (128, 64) for n in ns if n > 2 * WINDOW])
 
 
 def key_padding(b: int, n: int, side: str, generator) -> torch.Tensor:
@@ -54,10 +62,10 @@ def dense_mask(keep: torch.Tensor | None, n: int, causal: bool, window: int) -> 
     return mask if keep is None else mask & keep[:, None, None, :]
 
 
-def main():
+def main(ns):
     doc = {"environment": C.environment(), "window": WINDOW, "rows": []}
     gen = torch.Generator().manual_seed(0)
-    for d, n, causal, side in tqdm(CASES):
+    for d, n, causal, side in tqdm(cases(ns)):
         torch.manual_seed(0)
         b, h = C.fa3_shape(n, d)
         (q, k, v), ops = C.quantized_inputs(b, h, h, n, n, d, "direct")
@@ -66,9 +74,14 @@ def main():
         bias = None if keep is None else F.mask_to_log2_bias(None, keep.cuda())
         mask = dense_mask(keep, n, causal, window)
         visible = int(mask.sum()) * h * (b if mask.shape[0] == 1 else 1)
-        row = {"d": d, "n": n, "causal": causal, "mask": side, "window": window, "b": b, "h": h,
+        kind = MASK_KINDS[side] if not causal or window else f"causal+{MASK_KINDS[side]}"
+        row = {"d": d, "n": n, "causal": causal, "mask": side, "mask_kind": kind, "window": window, "b": b, "h": h,
                "visible_fraction": visible / (b * h * n * n)}
-        flops = {"masked": 4.0 * d * visible, "unmasked": C.attention_flops(b, h, n, n, d, causal)}
+        # "table": what the policy counts for such a site (SiteShape.flops: the causal
+        # structure's pairs, not the padding, which it cannot see), for cost_table.py --masked.
+        structure = int(dense_mask(None, n, causal, window).sum()) * b * h
+        flops = {"masked": 4.0 * d * visible, "unmasked": C.attention_flops(b, h, n, n, d, causal),
+                 "table": 4.0 * d * structure}
         dense = mask.cuda()
         structure = {"window": window} if window else {}
         runs = {
@@ -86,6 +99,7 @@ def main():
             result = launch(out)
             row[f"{name}_ms"] = do_bench(lambda: launch(out), return_mode="median")
             row[f"{name}_visible_tflops"] = flops[work] / row[f"{name}_ms"] / 1e9
+            row[f"{name}_table_tflops"] = flops["table"] / row[f"{name}_ms"] / 1e9
             outs[name] = (out[0] if result is None else result if torch.is_tensor(result) else result[0]).float()
         live = outs["triton"].abs().sum(-1) > 0
         row["max_abs_diff_gluon_triton"] = (outs["gluon"] - outs["triton"])[live].abs().max().item()
@@ -106,4 +120,6 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ns", type=int, nargs="*", default=[8192, 16384], help="sequence lengths")
+    main(ap.parse_args().ns)
