@@ -133,7 +133,8 @@ def test_masked_sites_get_rates_by_mask_kind(tmp_path, monkeypatch, fresh_seed):
     forward.write_text(json.dumps(_doc([_row("ours-direct+quant", 128, 4096, False, 800.0),
                                         _row("sdpa-cudnn-bf16", 128, 4096, False, 600.0)], "2026-01-01")))
     masked = tmp_path / "masked.json"
-    masked.write_text(json.dumps({"environment": {"device": "Test GPU", "date": "2026-01-04", "torch": "test"}, "rows": [
+    env = {"device": "Test GPU", "date": "2026-01-04", "torch": "test"}
+    masked.write_text(json.dumps({"environment": env, "rows": [
         _masked_row(128, 8192, True, "right", "causal+padding", right, sdpa_a),
         _masked_row(128, 8192, True, "left", "causal+padding", left, sdpa_b),
         _masked_row(128, 8192, False, "right", "padding", full, sdpa_a),

@@ -103,7 +103,8 @@ def main(ns):
             outs[name] = (out[0] if result is None else result if torch.is_tensor(result) else result[0]).float()
         live = outs["triton"].abs().sum(-1) > 0
         row["max_abs_diff_gluon_triton"] = (outs["gluon"] - outs["triton"])[live].abs().max().item()
-        row["max_abs_diff_ours_sdpa"] = (outs["ours_with_quant"] - outs["sdpa_bf16_dense_mask"])[live].abs().max().item()
+        ours_err = outs["ours_with_quant"] - outs["sdpa_bf16_dense_mask"]
+        row["max_abs_diff_ours_sdpa"] = ours_err[live].abs().max().item()
         row["masked_over_unmasked_tflops"] = row["gluon_visible_tflops"] / row["gluon_unmasked_visible_tflops"]
         row["triton_over_gluon"] = row["triton_ms"] / row["gluon_ms"]
         row["sdpa_over_ours_with_quant"] = row["sdpa_bf16_dense_mask_ms"] / row["ours_with_quant_ms"]

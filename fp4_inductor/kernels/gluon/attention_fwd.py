@@ -507,8 +507,9 @@ def supports(q, k, v_t, q_scale, bias, p_mode, lse, row_ref) -> bool:
     b, h, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
     rows = (h * nq, nq, 1)
-    return (p_mode in ("direct", "exp") and (bias is None or key_row_bias(bias, b, h, nq, nk)) and d in (64, 128) and k.shape[-1] == d
-            and tuple(v_t.shape[-2:]) == (d, nk) and b * h > 0 and nq > 0 and nk > 0 and nk % 16 == 0
+    return (p_mode in ("direct", "exp") and (bias is None or key_row_bias(bias, b, h, nq, nk))
+            and d in (64, 128) and k.shape[-1] == d and tuple(v_t.shape[-2:]) == (d, nk)
+            and b * h > 0 and nq > 0 and nk > 0 and nk % 16 == 0
             and h % hkv == 0 and b * h < 65536  # the grid's second dimension
             and q.dtype == k.dtype == torch.int8 and v_t.dtype == F.E4M3
             and all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (q, k, v_t))  # TMA
