@@ -163,7 +163,10 @@ def _scores(s, row_t, ks_ptr, bias_row, j, rows, NK, DIAGONAL, WINDOW, BN: gl.co
     left unmasked having only zero biases (``key_bias``); MASKED: keys past NK and
     (causal) keys the structure hides (``formats.visible``: after row + DIAGONAL, or
     WINDOWED, at or before row + DIAGONAL - WINDOW) at -inf.  Returns (x, t)."""
-    t = row_t * gl.load(ks_ptr + j)
+    if WINDOWED:  # a windowed program's second tile may lie past the keys (``_consumer``)
+        t = row_t * gl.load(ks_ptr + gl.minimum(j, (NK - 1) // BN))
+    else:
+        t = row_t * gl.load(ks_ptr + j)
     x = s.to(gl.float32)
     if MASKED:
         keys = j * BN + _key_order(BN, gl.SliceLayout(0, s.type.layout))
