@@ -3,8 +3,10 @@ within 5 % of the unmasked kernel): key padding (``kernels/gluon/key_bias.py``) 
 4096-key sliding window, P mode direct.  Per case: the Gluon forward with the mask, the
 Triton kernel on the same mask (which ran every padded site before), the Gluon kernel
 without it (plain causal for the window) on the same quantized operands; what the backend
-runs (``ops.quantized_forward``: quantization, the bias, the dispatch) and torch's BF16
-SDPA on the dense boolean mask an HF model in sdpa mode builds (the peer).
+runs (``ops.quantized_forward``: quantization, the bias, the dispatch); the peers: torch's
+BF16 SDPA on the dense boolean mask an HF model in sdpa mode builds (what such a site
+falls back to) and FlashAttention-4 BF16 (``fa4_peer``: varlen for padding, its own
+window), where installed.
 
     python benchmarks/lab/explore_masked_sites.py [--ns 2048 4096 8192 16384]
 
@@ -62,6 +64,37 @@ def dense_mask(keep: torch.Tensor | None, n: int, causal: bool, window: int) -> 
     return mask if keep is None else mask & keep[:, None, None, :]
 
 
+def fa4_peer(q, k, v, causal, window, keep):
+    """FlashAttention-4 BF16 on the same site as its users run it: a window natively;
+    padded batches as variable-length sequences of their kept tokens (queries too, as
+    HF's flash-attention path unpads them; the packing is not timed), so it skips the
+    padded queries that the other kernels compute.  A run callable, or why there is none."""
+    try:
+        from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
+    except ImportError:
+        return C.NOT_INSTALLED
+    qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))  # [B, N, H, D]
+    if keep is None:
+        def run():
+            return flash_attn_func(qt, kt, vt, causal=causal, window_size=(window - 1, 0) if window else (None, None))
+    else:
+        kept = keep.cuda()
+        lengths = kept.sum(1, dtype=torch.int32)
+        cu = torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
+        longest = int(lengths.max())
+        qp, kp, vp = (t[kept] for t in (qt, kt, vt))  # [kept tokens, H, D]
+
+        def run():
+            return flash_attn_varlen_func(qp, kp, vp, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest,
+                                          max_seqlen_k=longest, causal=causal)
+    try:
+        with torch.inference_mode():
+            run()
+    except Exception as err:  # an FA4 build without this feature: recorded, not fatal
+        return f"error: {type(err).__name__}: {err}"[:200]
+    return run
+
+
 def main(ns):
     doc = {"environment": C.environment(), "window": WINDOW, "rows": []}
     gen = torch.Generator().manual_seed(0)
@@ -79,9 +112,9 @@ def main(ns):
                "visible_fraction": visible / (b * h * n * n)}
         # "table": what the policy counts for such a site (SiteShape.flops: the causal
         # structure's pairs, not the padding, which it cannot see), for cost_table.py --masked.
-        structure = int(dense_mask(None, n, causal, window).sum()) * b * h
+        structure_pairs = int(dense_mask(None, n, causal, window).sum()) * b * h
         flops = {"masked": 4.0 * d * visible, "unmasked": C.attention_flops(b, h, n, n, d, causal),
-                 "table": 4.0 * d * structure}
+                 "table": 4.0 * d * structure_pairs}
         dense = mask.cuda()
         structure = {"window": window} if window else {}
         runs = {
@@ -108,16 +141,22 @@ def main(ns):
         row["masked_over_unmasked_tflops"] = row["gluon_visible_tflops"] / row["gluon_unmasked_visible_tflops"]
         row["triton_over_gluon"] = row["triton_ms"] / row["gluon_ms"]
         row["sdpa_over_ours_with_quant"] = row["sdpa_bf16_dense_mask_ms"] / row["ours_with_quant_ms"]
+        fa4 = fa4_peer(q, k, v, causal, window, keep)
+        if isinstance(fa4, str):
+            row["fa4_bf16_status"] = fa4
+        else:
+            row["fa4_bf16_ms"] = do_bench(fa4, return_mode="median")
+            row["fa4_over_ours_with_quant"] = row["fa4_bf16_ms"] / row["ours_with_quant_ms"]
         doc["rows"].append(row)
         del ops, outs, dense
     C.save(doc, os.path.join(C.RESULTS, "lab", "explore_masked_sites_h200.json"))
     print(f"{'D':>4s} {'N':>6s} {'causal':>6s} {'mask':>6s} {'vis':>5s}  visible TFLOP/s: Gluon masked / unmasked"
-          f" (ratio)  Triton/Gluon ms  SDPA-dense-mask / ours+quant ms")
+          f" (ratio)  Triton/Gluon ms  SDPA-dense-mask / ours+quant ms  FA4 / ours+quant ms")
     for r in doc["rows"]:
         print(f"{r['d']:4d} {r['n']:6d} {str(r['causal']):>6s} {r['mask']:>6s} {r['visible_fraction']:5.2f}  "
               f"{r['gluon_visible_tflops']:6.0f} / {r['gluon_unmasked_visible_tflops']:6.0f}"
               f" ({r['masked_over_unmasked_tflops']:.3f})  {r['triton_over_gluon']:.2f}"
-              f"  {r['sdpa_over_ours_with_quant']:.2f}")
+              f"  {r['sdpa_over_ours_with_quant']:.2f}  {r.get('fa4_over_ours_with_quant', float('nan')):.2f}")
 
 
 if __name__ == "__main__":
