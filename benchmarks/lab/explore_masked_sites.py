@@ -57,9 +57,8 @@ def key_padding(b: int, n: int, side: str, generator) -> torch.Tensor:
 
 def dense_mask(keep: torch.Tensor | None, n: int, causal: bool, window: int) -> torch.Tensor:
     """What an HF model in sdpa mode hands SDPA: [B or 1, 1, N, N] booleans."""
-    i = torch.arange(n)[:, None]
-    j = torch.arange(n)[None, :]
-    mask = (j <= i) & (j > i - window) if window else (j <= i) if causal else torch.ones(n, n, dtype=torch.bool)
+    mask = F.visible(torch.arange(n)[:, None], torch.arange(n)[None, :], causal, 0, window)
+    mask = torch.ones(n, n, dtype=torch.bool) if mask is None else mask
     mask = mask[None, None]
     return mask if keep is None else mask & keep[:, None, None, :]
 

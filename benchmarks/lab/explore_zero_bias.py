@@ -36,14 +36,12 @@ from fp4_inductor import formats as F  # noqa: E402
 def codes(st: torch.Tensor, b: torch.Tensor | None, m: torch.Tensor, proposed: bool) -> torch.Tensor:
     """Direct-P codes of float64 exact products ``st`` = s t, bias ``b`` (float32 or None),
     integer row reference ``m``."""
-    offset = F.FP8_P_CODE_AT_MAX - 8.0 * m.double()
     if b is None:
-        arg = st * 8.0 + offset
-    elif proposed:
-        arg = st * 8.0 + (8.0 * b.double() + offset).float().double()
-    else:
-        arg = ((st + b.double()).float().double()) * 8.0 + offset
-    return torch.round(arg.float().clamp(0.0, F.FP8_P_MAX_CODE))
+        return F.direct_p_codes(st, m)
+    if not proposed:
+        return F.direct_p_codes((st + b.double()).float(), m)
+    offset = (8.0 * b.double() + (F.FP8_P_CODE_AT_MAX - 8.0 * m.double())).float()
+    return torch.round((st * 8.0 + offset.double()).float().clamp(0.0, F.FP8_P_MAX_CODE))
 
 
 def attention(st, b, v, proposed):
