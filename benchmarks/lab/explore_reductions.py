@@ -115,28 +115,32 @@ def measure(b, h, n, d):
     dq = torch.zeros(b * h, n, d, device="cuda", dtype=torch.float32)
     grid = (triton.cdiv(n, BLOCK_KEYS), b * h)
     tiles = sum(triton.cdiv(n, BLOCK_Q) - k0 // BLOCK_Q for k0 in range(0, n, BLOCK_KEYS))
-    rows = []
-    for name, adds, reduce in (("reduce, 1 per 128 keys", 1, True), ("reduce, 1 per 64 keys", 2, True),
-                               ("store, 1 per 128 keys", 1, False)):
-        run = lambda: _dq_parts[grid](dq, n, ADDS=adds, REDUCE=reduce, D=d, BLOCK_KEYS=BLOCK_KEYS,  # noqa: E731
-                                      BLOCK_Q=BLOCK_Q, num_warps=4)
-        ms = do_bench(run, return_mode="median")
-        gb = b * h * tiles * adds * BLOCK_Q * d * 4 / 1e9
-        rows.append({"what": name, "ms": ms, "GB": gb, "GB/s": gb / ms * 1e3})
     desc = TensorDescriptor.from_tensor(dq, [1, BLOCK_Q, d], _dq_layout(d))
-    for name, adds in (("TMA reduce, 1 per 128 keys", 1), ("TMA reduce, 1 per 64 keys", 2)):
-        dq.zero_()
+
+    def atomics(out, adds, reduce):
+        _dq_parts[grid](out, n, ADDS=adds, REDUCE=reduce, D=d, BLOCK_KEYS=BLOCK_KEYS, BLOCK_Q=BLOCK_Q, num_warps=4)
+
+    def by_tma(adds):
         _dq_parts_tma[grid](desc, n, ADDS=adds, D=d, BLOCK_KEYS=BLOCK_KEYS, BLOCK_Q=BLOCK_Q, BUFFERS=TMA_BUFFERS,
                             num_warps=4)
-        expected = torch.zeros_like(dq)
-        _dq_parts[grid](expected, n, ADDS=adds, REDUCE=True, D=d, BLOCK_KEYS=BLOCK_KEYS, BLOCK_Q=BLOCK_Q,
-                        num_warps=4)
-        assert torch.equal(dq, expected), f"{name}: the TMA reduction's sums differ from the atomics'"
-        run = lambda: _dq_parts_tma[grid](desc, n, ADDS=adds, D=d, BLOCK_KEYS=BLOCK_KEYS,  # noqa: E731
-                                          BLOCK_Q=BLOCK_Q, BUFFERS=TMA_BUFFERS, num_warps=4)
+
+    rows = []
+
+    def timed(name, adds, run):
         ms = do_bench(run, return_mode="median")
         gb = b * h * tiles * adds * BLOCK_Q * d * 4 / 1e9
         rows.append({"what": name, "ms": ms, "GB": gb, "GB/s": gb / ms * 1e3})
+
+    for name, adds, reduce in (("reduce, 1 per 128 keys", 1, True), ("reduce, 1 per 64 keys", 2, True),
+                               ("store, 1 per 128 keys", 1, False)):
+        timed(name, adds, lambda: atomics(dq, adds, reduce))
+    for name, adds in (("TMA reduce, 1 per 128 keys", 1), ("TMA reduce, 1 per 64 keys", 2)):
+        dq.zero_()
+        by_tma(adds)
+        expected = torch.zeros_like(dq)
+        atomics(expected, adds, True)
+        assert torch.equal(dq, expected), f"{name}: the TMA reduction's sums differ from the atomics'"
+        timed(name, adds, lambda: by_tma(adds))
     src = torch.empty(int(rows[0]["GB"] * 1e9) // 4, device="cuda", dtype=torch.float32)
     dst = torch.empty_like(src)
     ms = do_bench(lambda: dst.copy_(src), return_mode="median")
