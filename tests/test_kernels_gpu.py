@@ -151,8 +151,8 @@ def test_structures_and_head_dims(case, p_mode):
 
 
 # The Gluon kernel's scope: P modes direct and exp, no bias or a key bias row (below), Nk a
-# multiple of 16.  Odd query
-# lengths; key lengths from one 16-key chunk to tails of every size class.
+# multiple of 16.  Odd query lengths; key lengths from one 16-key chunk to tails of every
+# size class.
 GLUON_SHAPES = [  # (B, H, Hkv, Nq, Nk)
     (2, 4, 4, 1, 16),
     (1, 8, 2, 113, 4224),
