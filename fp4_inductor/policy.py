@@ -184,11 +184,17 @@ class CostTable:
         return cls(gpu=doc["gpu"], rates=rates, launch_us=float(doc["launch_us"]), source=doc.get("source", ""))
 
     def rate(self, path: str, shape: SiteShape) -> float | None:
-        """TFLOP/s at the shape's key length, log-linear between measured lengths."""
-        points = self.rates.get(path, {}).get(shape.table_key())
+        """TFLOP/s at the shape's key length, log-linear between measured lengths.  Below
+        the shortest length the plain keys (measured from 512) give its rate; masked keys,
+        measured from a few thousand keys where a window or padding changes the work,
+        give none, as a window longer than the row is another site."""
+        key = shape.table_key()
+        points = self.rates.get(path, {}).get(key)
         if not points:
             return None
         n = max(shape.nq, shape.nk)
+        if n < points[0][0] and key.count("/") > 2:
+            return None
         if n <= points[0][0]:
             return points[0][1]
         if n >= points[-1][0]:

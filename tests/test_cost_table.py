@@ -162,3 +162,5 @@ def test_masked_sites_get_rates_by_mask_kind(tmp_path, monkeypatch, fresh_seed):
     offset = policy.cost_model_decision(dataclasses.replace(shape, mask="causal+offset+padding"), "fp8", table,
                                         "Test GPU")
     assert offset.path == "bf16" and "no rate" in offset.reason
+    shorter = policy.cost_model_decision(dataclasses.replace(shape, nq=4096, nk=4096), "fp8", table, "Test GPU")
+    assert shorter.path == "bf16" and "no rate" in shorter.reason  # masked keys: never below the shortest measured

@@ -43,9 +43,9 @@ MASK_KINDS = {"right": "padding", "left": "padding", "window": f"window {WINDOW}
 
 
 def cases(ns):
-    """Padding at every N, the window where N > 2 windows; D = 128 then 64."""
+    """Padding at every N, the window from N = 2 windows; D = 128 then 64."""
     return ([(d, n, causal, side) for d in (128, 64) for n in ns for causal, side in SIDES]
-            + [(d, n, True, "window") for d in (128, 64) for n in ns if n > 2 * WINDOW])
+            + [(d, n, True, "window") for d in (128, 64) for n in ns if n >= 2 * WINDOW])
 
 
 def key_padding(b: int, n: int, side: str, generator) -> torch.Tensor:
