@@ -151,13 +151,18 @@ class SiteShape:
         fwd = 2.0 * self.b * self.h * self.nq * self.nk * (self.d + (self.dv or self.d)) * fraction
         return fwd * (3.5 if self.training else 1.0)
 
+    @property
+    def masked(self) -> bool:
+        """Whether the site has a mask beyond SDPA's own causal structure."""
+        return self.mask not in ("none", "causal")
+
     def table_key(self) -> str:
         """The cost table's key: what changes which kernel runs and how fast.  The
         measured rates are for SDPA's own causal structure or none; masks and other value
         head dims have keys of their own."""
         dims = f"d{self.d}" + (f"v{self.dv}" if self.dv and self.dv != self.d else "")
         key = f"{dims}/{'causal' if self.causal else 'full'}/{'train' if self.training else 'fwd'}"
-        return key if self.mask in ("none", "causal") else f"{key}/{self.mask.split(' ')[0]}"
+        return f"{key}/{self.mask.split(' ')[0]}" if self.masked else key
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,15 +190,14 @@ class CostTable:
 
     def rate(self, path: str, shape: SiteShape) -> float | None:
         """TFLOP/s at the shape's key length, log-linear between measured lengths.  Below
-        the shortest length the plain keys (measured from 512) give its rate; masked keys,
-        measured from a few thousand keys where a window or padding changes the work,
-        give none, as a window longer than the row is another site."""
-        key = shape.table_key()
-        points = self.rates.get(path, {}).get(key)
+        the shortest measured length an unmasked site gets that length's rate; a masked one
+        gets none, since padding or a window shared by fewer keys is other work (a window
+        longer than the row is plain causal)."""
+        points = self.rates.get(path, {}).get(shape.table_key())
         if not points:
             return None
         n = max(shape.nq, shape.nk)
-        if n < points[0][0] and key.count("/") > 2:
+        if n < points[0][0] and shape.masked:
             return None
         if n <= points[0][0]:
             return points[0][1]
@@ -276,7 +280,7 @@ class AnalyticModel:
     def speedup(self, shape: SiteShape, fmt: str) -> float | None:
         # Modelled: the fp8 direct-P forward of the kernels' own head dims, unmasked or causal.
         if shape.training or fmt != "fp8" or shape.d not in (64, 128) or shape.dv not in (None, shape.d) or \
-                shape.mask not in ("none", "causal"):
+                shape.masked:
             return None
         s = shape
         per_second = self.sms * self.clock_hz
