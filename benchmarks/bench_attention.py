@@ -8,10 +8,8 @@ FlashAttention-3's grid: B * N = 16384 tokens, H * D = 2048, D in {64, 128},
 N in {512 .. 32k}, causal off and on.  Rows, all timed in the same run with
 triton.testing.do_bench medians:
   - ours, P mode direct / exp / fp4: the kernel that fp4attn::fwd runs (the Gluon kernel
-    in its scope, else the Triton one) alone on quantized operands, and "+quant": what the
-    backend runs in inference, fp4attn::quantize_kv plus the kernel given bfloat16 Q (which
-    it quantizes as it loads it); "ours-direct+quant-qkv": fp4attn::quantize (Q, K and V:
-    training's forward) plus the kernel; "ours-direct-triton" and
+    in its scope, else the Triton one) alone on quantized operands, and "+quant": the
+    fp4attn::quantize op (what the backend runs) plus the kernel; "ours-direct-triton" and
     "ours-exp-gluon": the kernel the op does not pick for that mode, on the same operands
     (Direct-P against exp within each kernel structure);
   - torch SDPA BF16 on the cuDNN and flash backends, FlashAttention-4 (flash_attn.cute)
@@ -66,14 +64,9 @@ def ours(mode, with_quant, kernel=None):
             launch(*t, None, causal, mode, *outputs)
             return outputs[0]
 
-        def run_inference():  # K and V by fp4attn::quantize_kv, Q by the kernel as it loads it
-            k8, v_t, k_scale, v_scale = torch.ops.fp4attn.quantize_kv(k, v, fmt)
-            launch(q, k8, v_t, None, k_scale, v_scale, None, causal, mode, *outputs, 0, 0, sm_scale)
-            return outputs[0]
-
-        if with_quant == "qkv":
+        if with_quant:
             return lambda: run_kernel(quant(q, k, v, sm_scale))
-        return run_inference if with_quant else lambda: run_kernel(ops)
+        return lambda: run_kernel(ops)
 
     return setup
 
@@ -160,7 +153,6 @@ def methods():
     for mode in MODES:
         rows[f"ours-{mode}"] = ours(mode, with_quant=False)
         rows[f"ours-{mode}+quant"] = ours(mode, with_quant=True)
-    rows["ours-direct+quant-qkv"] = ours("direct", with_quant="qkv")  # training's forward: Q quantized by the op too
     rows["ours-direct-triton"] = ours("direct", with_quant=False, kernel="triton")
     rows["ours-exp-gluon"] = ours("exp", with_quant=False, kernel="gluon")  # the ablation in one structure
     rows["sdpa-cudnn-bf16"] = sdpa("CUDNN_ATTENTION")

@@ -112,7 +112,6 @@ def main():
     ap.add_argument("--no-tma", action="store_true")
     ap.add_argument("--windowed", action="store_true", help="causal variants with a sliding window")
     ap.add_argument("--key-bias", action="store_true", help="Gluon forward: with a key-padding bias row")
-    ap.add_argument("--quant-q", action="store_true", help="Gluon forward: quantizing bfloat16 Q itself")
     ap.add_argument("--no-perm", action="store_true")
     ap.add_argument("--opt", nargs="*", default=[], help="NAME=0/1 kernel switches")
     ap.add_argument("--gluon", nargs="*", choices=sorted(GLUON), help="these Gluon kernels instead")
@@ -126,8 +125,6 @@ def main():
             extra = {"windowed": True} if args.windowed and kernel == "fwd" and causal else {}
             if args.key_bias and kernel == "fwd":
                 extra["key_bias"] = True
-            if args.quant_q and kernel == "fwd":
-                extra["quant_q"] = True
             suffix = "".join(f"_{name}" for name in extra)
             report(f"gluon_{kernel}_d{d}_{'causal' if causal else 'full'}{suffix}",
                    lambda: module.compile_for_sm90(d, bool(causal), **extra), args.dump)

@@ -3,16 +3,14 @@
     python benchmarks/quant_overhead.py
 
 1. Quantization alone at the forward benchmark's shape (B N = 16k tokens, H D = 2048):
-   the fp4attn::quantize op (two Triton launches; training's), fp4attn::quantize_kv (K
-   and V alone: inference, where the forward kernel quantizes Q), against the formats code compiled
+   the fp4attn::quantize op (two Triton launches) against the same formats code compiled
    by Inductor (the design before the op), against the byte floor (Q and K read once, V
    twice, 8-bit codes written).  Device time summed over the kernels (profiler) and the
    CUDA-graph replay time (no CPU overhead).
 2. A Llama-3.1-8B-shaped attention block (width 4096, 32 query and 8 KV heads of 128;
    QKV projection, optional rotary embedding, causal SDPA with GQA, output projection;
    one 4k-token sequence) compiled with Inductor's default backend vs backend fp4attn (policy always),
-   with the op (quantize_kv: the block runs without gradients) and with the formats code
-   traced into the graph for Inductor to fuse; plain
+   with the op and with the formats code traced into the graph for Inductor to fuse; plain
    and as a CUDA graph (Inductor's cudagraphs, what mode="reduce-overhead" sets).  Output
    cosine against the default.
 Writes benchmarks/results/quant_overhead_<device>.json.
@@ -71,12 +69,6 @@ class Block(torch.nn.Module):
         return self.out(y.transpose(1, 2).reshape(b, n, c))
 
 
-def _formats_kv(k, v, fmt):
-    """fp4attn::quantize_kv as formats code, for Inductor to trace and fuse."""
-    (k8, k_scale), (v_t, v_scale) = F.quantize_k(k), F.quantize_v(v, fmt)
-    return k8, v_t, k_scale, v_scale
-
-
 def main() -> None:
     results = {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
                "torch": torch.__version__, "quantize_us": {}, "kernels_us": {}, "block_ms": {}}
@@ -86,7 +78,6 @@ def main() -> None:
     results["quantize_us"]["byte_floor"] = C.quantize_floor_us(q.numel(), k.numel())
     variants = {
         "op": lambda: torch.ops.fp4attn.quantize(q, k, v, sm_scale, "fp8"),
-        "kv op": lambda: torch.ops.fp4attn.quantize_kv(k, v, "fp8"),  # inference: Q is the kernel's
         "inductor": torch.compile(lambda: F.quantize_inputs(q, k, v, sm_scale, "fp8")),
     }
     for name, fn in variants.items():
@@ -109,8 +100,7 @@ def main() -> None:
         for name, backend, cudagraphs, aten_quant in runs:
             label = f"{'rope ' if rotary else ''}{name}"
             torch._dynamo.reset()
-            patch = mock.patch.object(torch.ops.fp4attn, "quantize_kv", _formats_kv) if aten_quant \
-                else contextlib.nullcontext()
+            patch = mock.patch.object(torch.ops.fp4attn, "quantize", F.quantize_inputs) if aten_quant else contextlib.nullcontext()
             # No compile caches: with the op patched out the graph's cache key is unchanged.
             config = {"triton.cudagraphs": cudagraphs, "fx_graph_cache": False}
             with torch.no_grad(), patch, torch._inductor.config.patch(config), \

@@ -1,8 +1,7 @@
 """The function rewritten graphs call in place of an attention site.
 
-In training Q, K and V are quantized by one op (``fp4attn::quantize``), dO by plain torch
-code that Inductor fuses into the backward graph; in inference K and V alone
-(``fp4attn::quantize_kv``), Q by the forward kernel as it reads it.  Autograd is a ``torch.autograd.Function`` around
+Q, K and V are quantized by one op (``fp4attn::quantize``), dO by plain torch code that
+Inductor fuses into the backward graph.  Autograd is a ``torch.autograd.Function`` around
 quantize + ``fp4attn::fwd``: the op's inputs are integer codes, which carry no gradient,
 so the gradient must be attached where the high-precision inputs are still in view
 (a straight-through estimator for the rounding, exact for the attention itself).
@@ -164,11 +163,8 @@ def lowp_attention(
         out, empty = torch.ops.fp4attn.by_length(q, k, v, attn_mask, float(scale), is_causal, fmt, p_mode, min_keys,
                                                  diagonal, window, key_padding)
     else:
-        bias = F.mask_to_log2_bias(attn_mask, key_padding)
-        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-            out, lse = _LowPrecisionAttention.apply(q, k, v, bias, scale, is_causal, fmt, p_mode, diagonal, window)
-        else:  # inference: Q quantized by the forward kernel, nothing saved
-            out, lse = ops.inference_forward(q, k, v, bias, scale, is_causal, fmt, p_mode, diagonal, window)
+        out, lse = _LowPrecisionAttention.apply(q, k, v, F.mask_to_log2_bias(attn_mask, key_padding), scale,
+                                                is_causal, fmt, p_mode, diagonal, window)
         empty = lse == -math.inf
     out = empty_row_fill(out, empty, v, empty_rows, attn_mask)
     return out.squeeze(1) if squeeze else out

@@ -1,8 +1,6 @@
-"""Custom ops ``torch.ops.fp4attn.quantize``, ``quantize_kv``, ``fwd``, ``bwd`` and ``by_length``.
+"""Custom ops ``torch.ops.fp4attn.quantize``, ``fwd``, ``bwd`` and ``by_length``.
 
-``quantize`` turns Q, K and V into the forward's operands (training saves them for
-backward); inference quantizes K and V alone (``quantize_kv``) and hands ``fwd``
-high-precision Q, which its kernels quantize as they read it; ``fwd`` and ``bwd`` take the
+``quantize`` turns Q, K and V into the forward's operands; ``fwd`` and ``bwd`` take the
 quantized operands.  Where a GPU kernel exists it runs; everywhere else, and if a kernel
 fails at run time (with one warning), ``formats.py`` and the reference emulation in
 ``reference.py`` compute the same numbers.
@@ -117,34 +115,12 @@ def _(q, k, v, sm_scale, fmt):
     )
 
 
-@_op("quantize_kv")
-def quantize_kv(k: torch.Tensor, v: torch.Tensor, fmt: str
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``formats.quantize_k`` and ``quantize_v``: ``(k8, v_t, k_scale, v_scale)`` as
-    ``quantize`` returns them, for a forward that takes high-precision Q."""
-    kernel = quantize_kernel(k, fmt, kv_only=True)
-    if kernel is not None:
-        try:
-            return kernel(k, v)
-        except Exception as err:  # never kill the model: same numbers from the formats code
-            _warn_once("quantize", f"fp4attn quantization kernel failed ({err!r}); using the formats code")
-    (k8, k_scale), (v_t, v_scale) = F.quantize_k(k), F.quantize_v(v, fmt)
-    return k8.contiguous(), v_t, k_scale, v_scale
-
-
-@torch.library.register_fake("fp4attn::quantize_kv")
-def _(k, v, fmt):
-    b, hkv, nk, d = k.shape
-    return (k.new_empty(b, hkv, nk, d, dtype=torch.int8), k.new_empty(b, hkv, v.shape[-1], nk, dtype=F.E4M3),
-            k.new_empty(b, hkv, F.scale_blocks(nk), dtype=torch.float32), k.new_empty(b, hkv, dtype=torch.float32))
-
-
 @_op("fwd")
 def attention_fwd(
     q: torch.Tensor,
     k: torch.Tensor,
     v_t: torch.Tensor,
-    q_scale: torch.Tensor | None,
+    q_scale: torch.Tensor,
     k_scale: torch.Tensor,
     v_scale: torch.Tensor,
     bias: torch.Tensor | None,
@@ -153,11 +129,8 @@ def attention_fwd(
     out_dtype: torch.dtype,
     diagonal: int = 0,
     window: int = 0,
-    sm_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Attention over INT8 Q ``[B, H, Nq, D]`` (per-token scale) or high-precision Q
-    (``q_scale`` None), which the op quantizes as ``formats.quantize_q(q, sm_scale)`` (its
-    kernels as they load it: no pass over Q of its own), INT8 K ``[B, Hkv, Nk, D]``
+    """Attention over INT8 Q ``[B, H, Nq, D]`` (per-token scale), INT8 K ``[B, Hkv, Nk, D]``
     (per-block scale), E4M3 V stored K-major ``[B, Hkv, Dv, Nk]`` (per-head scale) and an
     optional float32 log2-unit bias broadcastable to ``[B, H, Nq, Nk]``; ``causal`` with
     ``diagonal`` and ``window`` is the causal structure (``formats.visible``).
@@ -171,13 +144,10 @@ def attention_fwd(
     kernel = forward_kernel(q, p_mode)
     if kernel is not None:
         try:
-            kernel(q, k, v_t, q_scale, k_scale, v_scale, bias, causal, p_mode, out, lse, row_ref, diagonal, window,
-                   sm_scale)
+            kernel(q, k, v_t, q_scale, k_scale, v_scale, bias, causal, p_mode, out, lse, row_ref, diagonal, window)
             return out, lse, row_ref
         except Exception as err:  # never kill the model: same numbers from the reference
             _warn_once("fwd", f"fp4attn forward kernel failed ({err!r}); using the reference path")
-    if q_scale is None:
-        q, q_scale = F.quantize_q(q, sm_scale)
     for dst, src in zip((out, lse, row_ref), reference.attention_forward(
             q, k, v_t, q_scale, k_scale, v_scale, bias, causal, p_mode, out_dtype, diagonal, window)):
         dst.copy_(src)
@@ -185,7 +155,7 @@ def attention_fwd(
 
 
 @torch.library.register_fake("fp4attn::fwd")
-def _(q, k, v_t, q_scale, k_scale, v_scale, bias, causal, p_mode, out_dtype, diagonal=0, window=0, sm_scale=1.0):
+def _(q, k, v_t, q_scale, k_scale, v_scale, bias, causal, p_mode, out_dtype, diagonal=0, window=0):
     b, h, nq, _ = q.shape
     row = q.new_empty(b, h, nq, dtype=torch.float32)
     return bnhd_empty(q, h, nq, v_t.shape[-2], out_dtype), row, torch.empty_like(row)
@@ -244,32 +214,15 @@ def _(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale, qe, qe_scale, k
     return grads_empty(q, k, v_t, out_dtype, grads_contiguous)
 
 
-def _float_scale(q, sm_scale):
-    """Q and a float softmax scale: a tensor or symbolic scale is folded into Q first."""
-    if isinstance(sm_scale, (int, float)):
-        return q, float(sm_scale)
-    return q.float() * sm_scale, 1.0
-
-
 def quantized_forward(q, k, v, bias, sm_scale, causal, fmt, p_mode, diagonal=0, window=0):
     """quantize + fwd: the output, its LSE, the row reference and the quantized operands
     (what backward needs)."""
-    out_dtype = q.dtype
-    q, sm_scale = _float_scale(q, sm_scale)
-    operands = torch.ops.fp4attn.quantize(q, k, v, sm_scale, fmt)
+    out_dtype, op_scale = q.dtype, sm_scale
+    if not isinstance(sm_scale, (int, float)):  # a tensor or symbolic scale: fold it in first
+        q, op_scale = q.float() * sm_scale, 1.0
+    operands = torch.ops.fp4attn.quantize(q, k, v, float(op_scale), fmt)
     out, lse, row_ref = torch.ops.fp4attn.fwd(*operands, bias, causal, p_mode, out_dtype, diagonal, window)
     return out, lse, row_ref, operands
-
-
-def inference_forward(q, k, v, bias, sm_scale, causal, fmt, p_mode, diagonal=0, window=0):
-    """quantize_kv + fwd with high-precision Q, which the forward kernel quantizes: the
-    output and its LSE, the numbers ``quantized_forward`` gives, one pass fewer."""
-    out_dtype = q.dtype
-    q, sm_scale = _float_scale(q, sm_scale)
-    k8, v_t, k_scale, v_scale = torch.ops.fp4attn.quantize_kv(k, v, fmt)
-    out, lse, _ = torch.ops.fp4attn.fwd(q, k8, v_t, None, k_scale, v_scale, bias, causal, p_mode, out_dtype,
-                                        diagonal, window, sm_scale)
-    return out, lse
 
 
 @_op("by_length")
@@ -285,8 +238,8 @@ def attention_by_length(
     visible key (bool ``[B, H, Nq]``), whose output either path leaves for
     ``attention.empty_row_fill``."""
     if k.shape[-2] >= min_keys:
-        out, lse = inference_forward(q, k, v, F.mask_to_log2_bias(attn_mask, key_padding), scale, is_causal, fmt,
-                                     p_mode, diagonal, window)
+        out, lse = quantized_forward(q, k, v, F.mask_to_log2_bias(attn_mask, key_padding), scale, is_causal, fmt,
+                                     p_mode, diagonal, window)[:2]
         return out, lse == -math.inf
     out, empty = sdpa_with_structure(q, k, v, attn_mask, scale, is_causal, diagonal, window, key_padding)
     return bnhd_like(out), empty

@@ -63,7 +63,7 @@ def _run_kernel(ops, bias, causal, p_mode, out_dtype=torch.float32, kernel="trit
     # Allocated as the op does: [B, H, Nq, Dv] stored [B, Nq, H, Dv]; poisoned.
     out = torch.full((b, nq, h, d), float("nan"), dtype=out_dtype, device="cuda").transpose(1, 2)
     lse, row_ref = (torch.full((b, h, nq), float("nan"), device="cuda") for _ in range(2))
-    dev = [None if t is None else t.cuda() for t in ops]
+    dev = [t.cuda() for t in ops]
     _launcher(kernel)(*dev, None if bias is None else bias.cuda(), causal, p_mode, out, lse, row_ref, **kw)
     torch.cuda.synchronize()
     return out.cpu(), lse.cpu(), row_ref.cpu()
@@ -227,37 +227,6 @@ def test_gluon_key_bias(case, p_mode, d):
     got = _run_kernel(ops, bias, causal, p_mode, kernel="gluon")
     ref = R.attention_forward(*ops, bias, causal, p_mode, torch.float32)
     _check(got, ref, p_mode, lse_tol=GLUON_SINK_LSE_TOL if bias_kind == "keyrow" else GLUON_LSE_TOL)
-
-
-# Q handed over in high precision (bfloat16 in a projection's [B, N, H, D] layout) and
-# quantized by the kernel: both kernels, GQA, partial query tiles, a key bias, a window.
-QUANT_Q_CASES = [  # (B, H, Hkv, Nq, Nk, D, causal, bias, kernel, diagonal, window)
-    (2, 8, 2, 300, 2048, 128, False, None, "gluon", 0, 0),
-    (3, 4, 2, 1000, 1296, 64, True, "rightpad", "gluon", 0, 0),
-    (1, 4, 2, 1000, 1296, 128, True, None, "gluon", 296, 512),
-    (1, 4, 2, 203, 799, 128, True, "keypad", "triton", 0, 0),
-    (2, 4, 1, 130, 300, 64, False, None, "triton", 0, 0),
-]
-
-
-@pytest.mark.parametrize("case", QUANT_Q_CASES, ids=lambda c: "b{}h{}kv{}q{}k{}d{}-{}-{}-{}".format(
-    *c[:6], "causal" if c[6] else "full", c[7] or "nobias", c[8]))
-def test_kernels_quantize_high_precision_q(case):
-    """A kernel given high-precision Q (``q_scale`` None) computes, bit for bit, what it
-    computes from ``formats.quantize_q``'s codes."""
-    b, h, hkv, nq, nk, d, causal, bias_kind, kernel, diagonal, window = case
-    ops, bias = _inputs(b, h, hkv, nq, nk, d, "direct", bias_kind)
-    q = (torch.randn(b, nq, h, d) * 3).to(torch.bfloat16).transpose(1, 2)
-    sm_scale = d ** -0.5
-    q8, q_scale = F.quantize_q(q, sm_scale)
-    structure = dict(diagonal=diagonal, window=window)
-    want = _run_kernel((q8, ops[1], ops[2], q_scale, *ops[4:]), bias, causal, "direct", kernel=kernel, **structure)
-    got = _run_kernel((q, ops[1], ops[2], None, *ops[4:]), bias, causal, "direct", kernel=kernel,
-                      sm_scale=sm_scale, **structure)
-    for name, g, w in zip(("out", "lse", "row_ref"), got, want):
-        assert torch.equal(g, w), name
-    _check(got, R.attention_forward(q8, ops[1], ops[2], q_scale, *ops[4:], bias, causal, "direct", torch.float32,
-                                    diagonal, window), "direct", lse_tol=GLUON_LSE_TOL if kernel == "gluon" else None)
 
 
 def test_dispatch_picks_gluon_where_it_applies():

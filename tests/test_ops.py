@@ -52,31 +52,6 @@ def test_fwd_opcheck(causal, bias, p_mode):
     _opcheck(torch.ops.fp4attn.fwd.default, _fwd_args(causal=causal, bias=bias, p_mode=p_mode))
 
 
-@pytest.mark.parametrize("fmt", F.FORMATS)
-def test_quantize_kv_opcheck_and_matches_quantize(fmt):
-    q, k, v = torch.randn(1, 4, 30, 64), torch.randn(1, 2, 150, 64), torch.randn(1, 2, 150, 64)
-    _opcheck(torch.ops.fp4attn.quantize_kv.default, (k, v, fmt))
-    got = torch.ops.fp4attn.quantize_kv(k, v, fmt)
-    want = torch.ops.fp4attn.quantize(q, k, v, 0.125, fmt)
-    for g, w in zip(got, (want[1], want[2], want[4], want[5])):
-        assert g.is_contiguous() and g.dtype == w.dtype and torch.equal(bits(g), bits(w))
-
-
-@pytest.mark.parametrize("causal", [False, True])
-def test_fwd_takes_high_precision_q(causal):
-    """fwd with Q unquantized (q_scale None) computes the forward of formats.quantize_q's
-    codes, bit for bit; Q in a projection's [B, N, H, D] layout."""
-    args = list(_fwd_args(causal=causal, bias=True))
-    q = torch.randn(2, 70, 4, 64).to(torch.bfloat16).transpose(1, 2)
-    args[0], args[3] = F.quantize_q(q, 0.125)
-    want = torch.ops.fp4attn.fwd(*args)
-    high = [q] + args[1:3] + [None] + args[4:]
-    _opcheck(torch.ops.fp4attn.fwd.default, (*high, 0, 0, 0.125))
-    got = torch.ops.fp4attn.fwd(*high, 0, 0, 0.125)
-    for g, w in zip(got, want):
-        assert torch.equal(g, w)
-
-
 def test_fwd_fake_strides_match_real():
     args = _fwd_args()
     real = torch.ops.fp4attn.fwd(*args)
@@ -227,32 +202,3 @@ def test_lowp_attention_refuses_what_it_would_get_wrong():
     assert lowp_attention(q, k, v[..., :40]).shape == (1, 2, 33, 40)
     with torch.no_grad():  # nothing to differentiate: the mask is only a value
         assert lowp_attention(q, k, v, attn_mask=bias).shape == q.shape
-
-
-class _OpCalls(torch.utils._python_dispatch.TorchDispatchMode):
-    """The fp4attn ops a piece of code calls, in order."""
-
-    def __init__(self):
-        super().__init__()
-        self.names = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == "fp4attn":
-            self.names.append(func._opname)
-        return func(*args, **(kwargs or {}))
-
-
-@pytest.mark.parametrize("causal", [False, True])
-def test_inference_leaves_q_to_the_forward_op(causal):
-    """Without gradients Q is not quantized by a pass of its own (``quantize_kv`` + fwd),
-    with them all three are (``quantize``, whose codes backward reads); same output."""
-    from fp4_inductor.attention import lowp_attention
-
-    q = torch.randn(1, 70, 4, 64).to(torch.bfloat16).transpose(1, 2)
-    k, v = torch.randn(1, 2, 150, 64).to(torch.bfloat16), torch.randn(1, 2, 150, 64).to(torch.bfloat16)
-    with torch.no_grad(), _OpCalls() as inference:
-        out = lowp_attention(q, k, v, is_causal=causal)
-    with _OpCalls() as training:
-        trained = lowp_attention(q.requires_grad_(), k, v, is_causal=causal)
-    assert inference.names == ["quantize_kv", "fwd"] and training.names == ["quantize", "fwd"]
-    assert torch.equal(out, trained.detach())

@@ -58,12 +58,12 @@ def has_forward_kernel(device: torch.device) -> bool:
     return _is_sm90(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def quantize_kernel(q: torch.Tensor, fmt: str, kv_only: bool = False):
-    """The Triton sm_90 launcher quantizing Q, K and V (``kv_only``: K and V) for
-    fmt="fp8", else None.  fp4's MXFP4 V is an accuracy mode and keeps the formats code."""
+def quantize_kernel(q: torch.Tensor, fmt: str):
+    """The Triton sm_90 launcher quantizing Q, K and V for fmt="fp8", else None.
+    fp4's MXFP4 V is an accuracy mode and keeps the formats code."""
     if fmt != "fp8" or not _applies(q):
         return None
-    return _triton_launcher("quantize", "quantize_kv" if kv_only else "quantize_inputs")
+    return _triton_launcher("quantize", "quantize_inputs")
 
 
 def forward_kernel(q: torch.Tensor, p_mode: str):
@@ -121,9 +121,8 @@ def _run_gluon(module: str, what: str, launch: str, supports_args: tuple, args: 
         return False
 
 
-def _forward(q, k, v_t, q_scale, k_scale, v_scale, bias, causal, p_mode, out, lse, row_ref, diagonal=0, window=0,
-             sm_scale=1.0):
-    args = (q, k, v_t, q_scale, k_scale, v_scale, bias, causal, p_mode, out, lse, row_ref, diagonal, window, sm_scale)
+def _forward(q, k, v_t, q_scale, k_scale, v_scale, bias, causal, p_mode, out, lse, row_ref, diagonal=0, window=0):
+    args = (q, k, v_t, q_scale, k_scale, v_scale, bias, causal, p_mode, out, lse, row_ref, diagonal, window)
     if p_mode == "direct" and _gluon_scope(q, v_t, causal, diagonal, window, structures=True) \
             and _gluon_wins(q, k, causal, window) \
             and _run_gluon("attention_fwd", "forward", "attention_forward",

@@ -278,36 +278,11 @@ def _store_rows(ptr, tile, row0, col0, b, head, N, out_strides):
 
 
 @gluon.jit
-def _quantize_q(q_ptr, q_strides, sm_scale, b, head, row0, NQ, q_buf, BM: gl.constexpr, HEAD_DIM: gl.constexpr):
-    """``formats.quantize_q`` of Q's rows row0 .. row0 + BM - 1 of (b, head), any float
-    dtype and strides, into the warpgroup's operand ``q_buf`` (rows past NQ: zeros, scale
-    1): the Q pass the separate quantization would make, done where Q is read anyway.
-    Returns the rows' scales."""
-    COLS: gl.constexpr = HEAD_DIM // 8  # 16-byte loads of bfloat16, a row over COLS threads
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // COLS, COLS], [gl.num_warps(), 1], [1, 0])
-    rows = row0 + gl.arange(0, BM, gl.SliceLayout(1, layout))
-    cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, layout))
-    offs = (b.to(gl.int64) * q_strides[0] + head * q_strides[1] + rows[:, None] * q_strides[2]
-            + cols[None, :] * q_strides[3])
-    x = gl.load(q_ptr + offs, mask=(rows < NQ)[:, None], other=0.0).to(gl.float32) * sm_scale
-    amax = gl.reduce(gl.abs(x), 1, _max_nan)
-    ones = gl.full_like(amax, 1.0)
-    scale = gl.where(amax == 0, ones, gl.div_rn(amax, gl.full_like(amax, 127.0)))
-    y = gl.minimum(gl.maximum(_mul_rn(x, gl.div_rn(ones, scale)[:, None]), -127.0), 127.0)
-    # y + 1.5 * 2**23 holds rne(y) in its low byte (two's complement): full-rate adds where
-    # a cvt to integer runs at a quarter of the rate.  NaN rows: the scale carries it.
-    q_buf.store((y + 12582912.0).to(gl.int32, bitcast=True).to(gl.int8))
-    fence_async_shared()  # the codes, written by every thread, before the warpgroup's wgmma reads them
-    gl.thread_barrier()
-    return scale
-
-
-@gluon.jit
-def _consumer(q_src, q_strides, sm_scale, qs_ptr, ks_ptr, vs_ptr, out_ptr, lse_ptr, ref_ptr, bias_row, smem, bars, out_strides, row_strides,
+def _consumer(qs_ptr, ks_ptr, vs_ptr, out_ptr, lse_ptr, ref_ptr, bias_row, smem, bars, out_strides, row_strides,
               bh, kv_head, start_m, H, NQ, NK, DIAGONAL, WINDOW, tiles,
               WG: gl.constexpr, HEAD_DIM: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
               STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOWED: gl.constexpr, EXP: gl.constexpr,
-              LIFT: gl.constexpr, EMPTY_ROW: gl.constexpr, KEY_BIAS: gl.constexpr, QUANT_Q: gl.constexpr):
+              LIFT: gl.constexpr, EMPTY_ROW: gl.constexpr, KEY_BIAS: gl.constexpr):
     lo, n_iter, full_lo, full_hi = tiles
     q_smem, k_bufs, v_bufs, ones = smem
     q_bar, k_ready, k_empty, v_ready, v_empty, turn = bars
@@ -320,14 +295,10 @@ def _consumer(q_src, q_strides, sm_scale, qs_ptr, ks_ptr, vs_ptr, out_ptr, lse_p
 
     rows = start_m + WG * BM + gl.arange(0, BM, row_s)
     row_ok = rows < NQ
+    row_t = gl.load(qs_ptr + bh * row_strides[0] + rows * row_strides[1], mask=row_ok, other=0.0) \
+        * 1.4426950408889634  # LOG2E, rounded to float32 like the reference
     q = q_smem.index(WG).reshape([BM, HEAD_DIM])
-    if QUANT_Q:
-        q_scale = gl.convert_layout(
-            _quantize_q(q_src, q_strides, sm_scale, bh // H, bh % H, start_m + WG * BM, NQ, q, BM, HEAD_DIM), row_s)
-    else:
-        q_scale = gl.load(qs_ptr + bh * row_strides[0] + rows * row_strides[1], mask=row_ok, other=0.0)
-        mbarrier.wait(q_bar, 0)
-    row_t = q_scale * 1.4426950408889634  # LOG2E, rounded to float32 like the reference
+    mbarrier.wait(q_bar, 0)
     s_zero = gl.zeros([BM, BN], gl.int32, s_layout)
 
     # The first tile: scores and P only; each step then overlaps S_j with P_{j-1} V_{j-1}.
@@ -391,14 +362,13 @@ def _consumer(q_src, q_strides, sm_scale, qs_ptr, ks_ptr, vs_ptr, out_ptr, lse_p
 
 
 @gluon.jit
-def _producer(q_src, k_desc, v_desc, smem, bars, bh, start_m, kv_head, lo, n_iter, NK,
-              BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, QUANT_Q: gl.constexpr):
+def _producer(q_desc, k_desc, v_desc, smem, bars, bh, start_m, kv_head, lo, n_iter, NK,
+              BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr):
     q_smem, k_bufs, v_bufs, ones = smem
     q_bar, k_ready, k_empty, v_ready, v_empty, turn = bars
-    if not QUANT_Q:  # else the consumers write Q's codes themselves (``_quantize_q``)
-        mbarrier.expect(q_bar, 2 * q_src.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_src, [bh, start_m, 0], q_bar, q_smem.index(0))
-        tma.async_copy_global_to_shared(q_src, [bh, start_m + BM, 0], q_bar, q_smem.index(1))
+    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [bh, start_m, 0], q_bar, q_smem.index(0))
+    tma.async_copy_global_to_shared(q_desc, [bh, start_m + BM, 0], q_bar, q_smem.index(1))
     for i in range(n_iter):
         s = i % STAGES
         phase = (i // STAGES) & 1
@@ -490,16 +460,13 @@ def _ping_pong_barriers(STAGES: gl.constexpr):
 
 
 @gluon.jit
-def _fwd_ws(q_src, k_desc, v_desc, qs_ptr, ks_ptr, vs_ptr, out_ptr, lse_ptr, ref_ptr, bias_ptr, ranges_ptr,
-            stride_qb, stride_qh, stride_qm, stride_qd, sm_scale,
+def _fwd_ws(q_desc, k_desc, v_desc, qs_ptr, ks_ptr, vs_ptr, out_ptr, lse_ptr, ref_ptr, bias_ptr, ranges_ptr,
             stride_ob, stride_oh, stride_om, stride_od, stride_rb, stride_rm, stride_ksb, bias_row_b, bias_row_h,
             H, GROUP, NQ, NK, DIAGONAL, WINDOW,
-            HEAD_DIM: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
-            CAUSAL: gl.constexpr, WINDOWED: gl.constexpr, EXP: gl.constexpr, LIFT: gl.constexpr,
-            EMPTY_ROW: gl.constexpr, KEY_BIAS: gl.constexpr, QUANT_Q: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-            PRODUCER_REGS: gl.constexpr):
-    # q_src: Q's INT8 codes as a TMA descriptor, or (QUANT_Q) a pointer to high-precision Q
-    # with its strides, which the consumers quantize with sm_scale.
+            HEAD_DIM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+            WINDOWED: gl.constexpr, EXP: gl.constexpr, LIFT: gl.constexpr, EMPTY_ROW: gl.constexpr,
+            KEY_BIAS: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+    BM: gl.constexpr = q_desc.block_type.shape[1]
     start_m, bh, kv_head, tiles = _program_tiles(NK, GROUP, DIAGONAL, WINDOW, BM, BN, CAUSAL, WINDOWED)
     bias_row = bias_ptr
     if KEY_BIAS:
@@ -508,8 +475,7 @@ def _fwd_ws(q_src, k_desc, v_desc, qs_ptr, ks_ptr, vs_ptr, out_ptr, lse_ptr, ref
         bias_row = bias_ptr + row.to(gl.int64) * NK
     if WINDOWED:  # the consumers' second step is straight-line code (``_consumer``)
         tiles = (tiles[0], gl.maximum(tiles[1], 2), tiles[2], tiles[3])
-    q_smem = gl.allocate_shared_memory(gl.int8, [2, 1, BM, HEAD_DIM],
-                                       gl.NVMMASharedLayout.get_default_for([1, BM, HEAD_DIM], gl.int8))
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
     k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
     bars = _ping_pong_barriers(STAGES)  # (q_bar, k_ready, k_empty, v_ready, v_empty, turn)
@@ -526,16 +492,15 @@ def _fwd_ws(q_src, k_desc, v_desc, qs_ptr, ks_ptr, vs_ptr, out_ptr, lse_ptr, ref
     out_strides = (stride_ob, stride_oh, stride_om, stride_od)
     row_strides = (stride_rb, stride_rm)
     ks_head = ks_ptr + kv_head * stride_ksb
-    q_strides = (stride_qb, stride_qh, stride_qm, stride_qd)
     gl.warp_specialize([
-        (_consumer, (q_src, q_strides, sm_scale, qs_ptr, ks_head, vs_ptr, out_ptr, lse_ptr, ref_ptr, bias_row, smem, bars, out_strides,
+        (_consumer, (qs_ptr, ks_head, vs_ptr, out_ptr, lse_ptr, ref_ptr, bias_row, smem, bars, out_strides,
                      row_strides, bh, kv_head, start_m, H, NQ, NK, DIAGONAL, WINDOW, tiles, 0, HEAD_DIM, BM, BN,
-                     STAGES, CAUSAL, WINDOWED, EXP, LIFT, EMPTY_ROW, KEY_BIAS, QUANT_Q)),
-        (_consumer, (q_src, q_strides, sm_scale, qs_ptr, ks_head, vs_ptr, out_ptr, lse_ptr, ref_ptr, bias_row, smem, bars, out_strides,
+                     STAGES, CAUSAL, WINDOWED, EXP, LIFT, EMPTY_ROW, KEY_BIAS)),
+        (_consumer, (qs_ptr, ks_head, vs_ptr, out_ptr, lse_ptr, ref_ptr, bias_row, smem, bars, out_strides,
                      row_strides, bh, kv_head, start_m, H, NQ, NK, DIAGONAL, WINDOW, tiles, 1, HEAD_DIM, BM, BN,
-                     STAGES, CAUSAL, WINDOWED, EXP, LIFT, EMPTY_ROW, KEY_BIAS, QUANT_Q)),
-        (_producer, (q_src, k_desc, v_desc, smem, bars, bh, start_m, kv_head, tiles[0], tiles[1], NK, BM, BN,
-                     STAGES, QUANT_Q)),
+                     STAGES, CAUSAL, WINDOWED, EXP, LIFT, EMPTY_ROW, KEY_BIAS)),
+        (_producer, (q_desc, k_desc, v_desc, smem, bars, bh, start_m, kv_head, tiles[0], tiles[1], NK, BM, BN,
+                     STAGES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -545,17 +510,13 @@ def supports(q, k, v_t, q_scale, bias, p_mode, lse, row_ref) -> bool:
     b, h, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
     rows = (h * nq, nq, 1)
-    # Q: INT8 codes (TMA), or high-precision with any strides (q_scale None: quantized here)
-    q_ok = (q.dtype in F.HIGH_PRECISION and sum(st * n for st, n in zip(q.stride()[1:], q.shape[1:])) < 2**31
-            if q_scale is None
-            else q.dtype == torch.int8 and q.is_contiguous() and q.data_ptr() % 16 == 0)
     return (p_mode in ("direct", "exp") and (bias is None or key_row_bias(bias, b, h, nq, nk))
             and d in (64, 128) and k.shape[-1] == d and tuple(v_t.shape[-2:]) == (d, nk)
             and b * h > 0 and nq > 0 and nk > 0 and nk % 16 == 0
             and h % hkv == 0 and b * h < 65536  # the grid's second dimension
-            and q_ok and k.dtype == torch.int8 and v_t.dtype == F.E4M3
-            and all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (k, v_t))  # TMA
-            and all(t.stride() == rows for t in (lse, row_ref) + ((q_scale,) if q_scale is not None else ()))
+            and q.dtype == k.dtype == torch.int8 and v_t.dtype == F.E4M3
+            and all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (q, k, v_t))  # TMA
+            and all(t.stride() == rows for t in (q_scale, lse, row_ref))  # indexed alike in the kernel
             and h * nq * d < 2**31)  # output offsets within a batch are 32-bit (the batch's is 64)
 
 
@@ -570,18 +531,16 @@ def _default_layout(block: tuple, dtype):
     return gl.NVMMASharedLayout.get_default_for(list(block), dtype)
 
 
-def _constexprs(d: int, causal: bool, p_mode: str, windowed: bool = False, key_bias: bool = False,
-                quant_q: bool = False) -> dict:
-    return dict(HEAD_DIM=d, BM=BM_WG, BN=BLOCK_N, STAGES=NUM_STAGES, CAUSAL=bool(causal),
-                WINDOWED=bool(causal and windowed), EXP=p_mode == "exp", LIFT=F.p_lift(p_mode),
-                EMPTY_ROW=F.EMPTY_ROW_LOG2, KEY_BIAS=key_bias, QUANT_Q=quant_q, **_REGS)
+def _constexprs(d: int, causal: bool, p_mode: str, windowed: bool = False, key_bias: bool = False) -> dict:
+    return dict(HEAD_DIM=d, BN=BLOCK_N, STAGES=NUM_STAGES, CAUSAL=bool(causal), WINDOWED=bool(causal and windowed),
+                EXP=p_mode == "exp", LIFT=F.p_lift(p_mode), EMPTY_ROW=F.EMPTY_ROW_LOG2, KEY_BIAS=key_bias, **_REGS)
 
 
 def attention_forward(q, k, v_t, q_scale, k_scale, v_scale, bias, causal, p_mode, out, lse, row_ref, diagonal=0,
-                      window=0, sm_scale=1.0):
+                      window=0):
     """The Triton launcher's contract, for the calls ``supports`` accepts: the causal
-    structure of ``formats.visible`` (``diagonal``, ``window``) too, key-padding biases
-    (``key_bias``), and high-precision Q (``q_scale`` None), quantized by the kernel."""
+    structure of ``formats.visible`` (``diagonal``, ``window``) too, and key-padding
+    biases (``key_bias``)."""
     assert supports(q, k, v_t, q_scale, bias, p_mode, lse, row_ref)
     b, h, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
@@ -589,20 +548,18 @@ def attention_forward(q, k, v_t, q_scale, k_scale, v_scale, bias, causal, p_mode
     if bias is not None:
         bias_rows, row_b, row_h = key_rows(bias, b, h, nq, nk)
         ranges = tile_ranges(bias_rows, BLOCK_N)
-    quant_q = q_scale is None
     q_block, k_block, v_block = [1, BM_WG, d], [BLOCK_N // 16, 2, 4, 2, d], [1, d, BLOCK_N]
-    q_src, q_scale = (q, lse) if quant_q else (  # lse: never read when the kernel quantizes Q
-        TensorDescriptor.from_tensor(q.view(b * h, nq, d), q_block, _layout(q_block, gl.int8)), q_scale.float())
+    q_desc = TensorDescriptor.from_tensor(q.view(b * h, nq, d), q_block, _layout(q_block, gl.int8))
     # K as [16-key chunks of all heads, jl, q, b, D]: see _key_order.
     k_desc = TensorDescriptor(k, [b * hkv * nk // 16, 2, 4, 2, d], [16 * d, 2 * d, 4 * d, d, 1], k_block,
                               _layout(k_block, gl.int8))
     v_desc = TensorDescriptor.from_tensor(v_t.view(b * hkv, d, nk), v_block, _layout(v_block, gl.float8e4nv))
     k_scale, v_scale = k_scale.float().reshape(b * hkv, -1), v_scale.float().reshape(-1)
     _fwd_ws[(triton.cdiv(nq, 2 * BM_WG), b * h)](
-        q_src, k_desc, v_desc, q_scale, k_scale, v_scale, out, lse, row_ref, bias_rows, ranges,
-        *q.stride(), float(sm_scale), *out.stride(), lse.stride(1), lse.stride(2), k_scale.stride(0), row_b, row_h, h, h // hkv, nq, nk,
+        q_desc, k_desc, v_desc, q_scale.float(), k_scale, v_scale, out, lse, row_ref, bias_rows, ranges,
+        *out.stride(), lse.stride(1), lse.stride(2), k_scale.stride(0), row_b, row_h, h, h // hkv, nq, nk,
         int(diagonal) if causal else 0, int(window) if causal else 0,
-        **_constexprs(d, causal, p_mode, bool(window), bias is not None, quant_q), **_LAUNCH)
+        **_constexprs(d, causal, p_mode, bool(window), bias is not None), **_LAUNCH)
 
 
 def _tensor_desc(dt: str, block: list[int], dtype) -> str:
@@ -622,12 +579,11 @@ def _compile_sm90(kernel, sig: dict, consts: dict, launch: dict = _LAUNCH):
                           options=launch)
 
 
-def compile_for_sm90(d: int, causal: bool, p_mode: str = "direct", windowed: bool = False, key_bias: bool = False,
-                     quant_q: bool = False):
+def compile_for_sm90(d: int, causal: bool, p_mode: str = "direct", windowed: bool = False, key_bias: bool = False):
     """Compile without a GPU (Triton's bundled ptxas), for inspection: the compiled kernel."""
-    sig = {"q_src": "*bf16" if quant_q else _tensor_desc("i8", [1, BM_WG, d], gl.int8), "sm_scale": "fp32",
+    sig = {"q_desc": _tensor_desc("i8", [1, BM_WG, d], gl.int8),
            "k_desc": _tensor_desc("i8", [BLOCK_N // 16, 2, 4, 2, d], gl.int8),
            "v_desc": _tensor_desc("fp8e4nv", [1, d, BLOCK_N], gl.float8e4nv), "qs_ptr": "*fp32", "ks_ptr": "*fp32",
            "vs_ptr": "*fp32", "out_ptr": "*bf16", "lse_ptr": "*fp32", "ref_ptr": "*fp32", "bias_ptr": "*fp32",
            "ranges_ptr": "*i32"}
-    return _compile_sm90(_fwd_ws, sig, _constexprs(d, causal, p_mode, windowed, key_bias, quant_q))
+    return _compile_sm90(_fwd_ws, sig, _constexprs(d, causal, p_mode, windowed, key_bias))
