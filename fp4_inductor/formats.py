@@ -29,8 +29,6 @@ E5M2 = torch.float8_e5m2
 E4M3_MAX = 448.0
 E5M2_MAX = 57344.0
 INT8_MAX = 127.0
-# What a forward kernel takes as Q when it quantizes Q itself (quantize_q)
-HIGH_PRECISION = (torch.bfloat16, torch.float16, torch.float32)
 
 FORMATS = ("fp8", "fp4")
 P_MODES = ("exp", "direct", "fp4")

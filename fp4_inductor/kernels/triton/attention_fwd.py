@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from ... import formats as F
-from .common import e2m1_round, e4m3_code_value, e4m3_round, int8_rows, max_propagate_nan, mul_rn
+from .common import e2m1_round, e4m3_code_value, e4m3_round, max_propagate_nan, mul_rn
 
 _P_MODE_ID = {"direct": 0, "exp": 1, "fp4": 2}
 BLOCK_N = F.KEY_TILE  # one K scale per key tile: the tile must be the scale block
@@ -322,12 +322,12 @@ def _fwd_kernel(
     stride_bb, stride_bh, stride_bm, stride_bn,
     stride_ob, stride_oh, stride_om, stride_od,
     stride_lb, stride_lh, stride_lm,
-    H, GROUP, NQ, NK, N_BUCKET, DIAGONAL, WINDOW, sm_scale,
+    H, GROUP, NQ, NK, N_BUCKET, DIAGONAL, WINDOW,
     D_QK: tl.constexpr, D_V: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     P_MODE: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, BIAS_MODE: tl.constexpr,
     USE_TMA: tl.constexpr, PERM_P: tl.constexpr, PV_SPLIT: tl.constexpr, CVT_I2F: tl.constexpr,
-    EMULATE: tl.constexpr, LIFT: tl.constexpr, EMPTY_ROW: tl.constexpr, QUANT_Q: tl.constexpr,
+    EMULATE: tl.constexpr, LIFT: tl.constexpr, EMPTY_ROW: tl.constexpr,
 ):
     # Causal: the last query tiles carry the most key tiles; launch them first.
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0) if CAUSAL else tl.program_id(0)
@@ -348,10 +348,7 @@ def _fwd_kernel(
         q_ok = q_ok & (offs_d < D_QK)[None, :]
     q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
                 mask=q_ok, other=0)
-    if QUANT_Q:  # high-precision Q, quantized here as formats.quantize_q: no pass of its own
-        q, q_scale = int8_rows(q.to(tl.float32) * sm_scale, EMULATE)
-    else:
-        q_scale = tl.load(QS + b * stride_qsb + h * stride_qsh + offs_m * stride_qsm, mask=row_ok, other=0.0)
+    q_scale = tl.load(QS + b * stride_qsb + h * stride_qsh + offs_m * stride_qsm, mask=row_ok, other=0.0)
     row_t = q_scale * 1.4426950408889634  # LOG2E, rounded to float32 like the reference
 
     k_ptrs = K
@@ -439,7 +436,7 @@ def _n_bucket(n: int) -> int:
 _tuned = triton.autotune(
     configs=[triton.Config({"BLOCK_M": bm}, num_warps=w, num_stages=s, maxnreg=r) for bm, w, s, r in CONFIGS],
     key=["N_BUCKET", "D_QK", "D_V", "P_MODE", "CAUSAL", "WINDOWED", "BIAS_MODE", "USE_TMA", "PERM_P", "PV_SPLIT",
-         "CVT_I2F", "QUANT_Q"],
+         "CVT_I2F"],
 )(_fwd_kernel)
 
 
@@ -479,11 +476,9 @@ def _emulate() -> bool:
 
 
 def attention_forward(q, k, v_t, q_scale, k_scale, v_scale, bias, causal, p_mode, out, lse, row_ref,
-                      diagonal=0, window=0, sm_scale=1.0, config=None, use_tma=None, perm_p=None, options=None):
+                      diagonal=0, window=0, config=None, use_tma=None, perm_p=None, options=None):
     """Launch the forward kernel into the preallocated ``out`` [B, H, Nq, Dv] (any strides)
-    and ``lse``, ``row_ref`` [B, H, Nq] float32 with equal strides.  ``q`` is INT8 with
-    its ``q_scale``, or (``q_scale`` None) high-precision Q, which the kernel quantizes
-    with ``sm_scale`` as ``formats.quantize_q`` does.  ``diagonal`` and
+    and ``lse``, ``row_ref`` [B, H, Nq] float32 with equal strides.  ``diagonal`` and
     ``window`` refine ``causal`` (``formats.visible``).  ``config`` = (BLOCK_M, num_warps,
     num_stages, maxnreg) overrides the default (benchmarks use it);
     ``FP4ATTN_AUTOTUNE=1`` autotunes.  ``use_tma=False`` forces the pointer path (tests
@@ -495,11 +490,8 @@ def attention_forward(q, k, v_t, q_scale, k_scale, v_scale, bias, causal, p_mode
                          f"{F.MIN_HEAD_DIM} to {F.MAX_HEAD_DIM})")
     if h % hkv:
         raise ValueError(f"{h} query heads not a multiple of {hkv} kv heads")
-    quant_q = q_scale is None
-    if (q.dtype not in F.HIGH_PRECISION if quant_q else q.dtype != torch.int8) or k.dtype != torch.int8 \
-            or v_t.dtype != F.E4M3:
-        raise TypeError(f"expected int8 q (or float q without q_scale), int8 k and float8_e4m3fn v_t, got "
-                        f"{q.dtype}, {k.dtype}, {v_t.dtype}")
+    if q.dtype != torch.int8 or k.dtype != torch.int8 or v_t.dtype != F.E4M3:
+        raise TypeError(f"expected int8 q/k and float8_e4m3fn v_t, got {q.dtype}, {k.dtype}, {v_t.dtype}")
     if window and not causal:
         raise ValueError("a window needs the causal structure")
     if nq == 0:
@@ -511,8 +503,7 @@ def attention_forward(q, k, v_t, q_scale, k_scale, v_scale, bias, causal, p_mode
     if max(q.numel(), k.numel(), v_t.numel(), out.numel()) >= 2**31 or b * h >= 65536:
         # 32-bit element offsets; the grid's second dimension holds B * H
         raise ValueError(f"too large for this kernel: B*H={b * h}, {max(q.numel(), out.numel())} elements")
-    k_scale, v_scale = k_scale.float(), v_scale.float()
-    q_scale = lse if quant_q else q_scale.float()  # lse: never read when the kernel quantizes Q
+    q_scale, k_scale, v_scale = (s.float() for s in (q_scale, k_scale, v_scale))
 
     bias_mode, bias_strides, bias_arg = 0, (0, 0, 0, 0), q_scale  # bias_arg never read when mode 0
     if bias is not None:
@@ -535,12 +526,11 @@ def attention_forward(q, k, v_t, q_scale, k_scale, v_scale, bias, causal, p_mode
         *q_scale.stride(), *k_scale.stride(), *v_scale.stride(),
         *bias_strides, *out.stride(), *lse.stride(),
         h, h // hkv, nq, nk, _n_bucket(max(nq, nk)), diagonal if causal else 0, window if causal else 0,
-        float(sm_scale),
     )
     meta = dict(D_QK=d, D_V=dv, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_N=BLOCK_N,
                 P_MODE=_P_MODE_ID[p_mode], CAUSAL=bool(causal), WINDOWED=bool(causal and window),
                 BIAS_MODE=bias_mode, USE_TMA=tma, PERM_P=perm, EMULATE=emulate, LIFT=F.p_lift(p_mode),
-                EMPTY_ROW=F.EMPTY_ROW_LOG2, QUANT_Q=quant_q, **OPTIONS)
+                EMPTY_ROW=F.EMPTY_ROW_LOG2, **OPTIONS)
     meta.update(options or {})
     if config is None and _autotune_enabled():
         grid = lambda META: (triton.cdiv(nq, META["BLOCK_M"]), b * h)  # noqa: E731

@@ -2,7 +2,6 @@
 
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 
 @triton.jit
@@ -51,32 +50,3 @@ def mul_rn(a, b, EMULATE: tl.constexpr):
         return a * b
     else:
         return tl.extra.cuda.libdevice.mul_rn(a, b)
-
-
-@triton.jit
-def amax_scale(amax, fmax):
-    """formats._amax_scale: an all-zero block gets scale 1, NaN/Inf stay in the scale."""
-    return tl.where(amax == 0, 1.0, tl.math.div_rn(amax, fmax))
-
-
-@triton.jit
-def per_scale(x, scale):
-    """formats._per_scale: one IEEE division per scale, a multiplication per element."""
-    return x * tl.math.div_rn(1.0, scale)
-
-
-@triton.jit
-def round_int8(x, EMULATE: tl.constexpr):
-    if EMULATE:  # the interpreter has no libdevice: the magic-number add rounds to nearest even
-        r = tl.where(tl.abs(x) < 4194304.0, (x + 12582912.0) - 12582912.0, x)
-    else:
-        r = libdevice.rint(x)
-    return tl.clamp(r, -127.0, 127.0).to(tl.int8)
-
-
-@triton.jit
-def int8_rows(x, EMULATE: tl.constexpr):
-    """formats.quantize_q of float32 rows ``x`` (already times the softmax scale): the
-    INT8 codes and one scale per row."""
-    scale = amax_scale(tl.reduce(tl.abs(x), 1, max_propagate_nan), 127.0)
-    return round_int8(per_scale(x, scale[:, None]), EMULATE), scale

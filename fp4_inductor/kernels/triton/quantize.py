@@ -25,9 +25,10 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from ... import formats as F
-from .common import amax_scale, e4m3_round, int8_rows, max_propagate_nan, per_scale, round_int8
+from .common import e4m3_round, max_propagate_nan
 
 # Tile rows per program and warps: the fastest of benchmarks/lab/explore_quantize.py's
 # variants on the H200 (123 us against 144 at 8 warps with 16/32-row tiles, B 4, H 16, N 4k,
@@ -106,13 +107,34 @@ def _stats(K, V, KMEAN, VMAX, N, CHUNK, HKV,
 
 
 @triton.jit
+def _amax_scale(amax, fmax):
+    """formats._amax_scale: an all-zero block gets scale 1, NaN/Inf stay in the scale."""
+    return tl.where(amax == 0, 1.0, tl.math.div_rn(amax, fmax))
+
+
+@triton.jit
+def _per_scale(x, scale):
+    """formats._per_scale: one IEEE division per scale, a multiplication per element."""
+    return x * tl.math.div_rn(1.0, scale)
+
+
+@triton.jit
+def _round_int8(x, EMULATE: tl.constexpr):
+    if EMULATE:  # the interpreter has no libdevice: the magic-number add rounds to nearest even
+        r = tl.where(tl.abs(x) < 4194304.0, (x + 12582912.0) - 12582912.0, x)
+    else:
+        r = libdevice.rint(x)
+    return tl.clamp(r, -127.0, 127.0).to(tl.int8)
+
+
+@triton.jit
 def _q_rows(pid, Q, Q8, QS, sm_scale, H, NQ, stride_qb, stride_qh, stride_qn, stride_qd,
             D: tl.constexpr, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, EMULATE: tl.constexpr):
     bh, tile, b, h = _tile_of(pid, NQ, H, ROWS)
     rows = tile * ROWS + tl.arange(0, ROWS)
     x = _load_rows(Q, b, h, rows, NQ, stride_qb, stride_qh, stride_qn, stride_qd, D, HEAD_DIM) * sm_scale
-    codes, scale = int8_rows(x, EMULATE)
-    _store_rows(Q8, bh, rows, NQ, codes, D, HEAD_DIM)
+    scale = _amax_scale(tl.reduce(tl.abs(x), 1, max_propagate_nan), 127.0)
+    _store_rows(Q8, bh, rows, NQ, _round_int8(_per_scale(x, scale[:, None]), EMULATE), D, HEAD_DIM)
     tl.store(QS + bh.to(tl.int64) * NQ + rows, scale, mask=rows < NQ)
 
 
@@ -130,11 +152,11 @@ def _k_block(pid, K, K8, KS, KMEAN, HKV, NK, stride_kb, stride_kh, stride_kn, st
         k = _load_rows(K, b, h, rows, NK, stride_kb, stride_kh, stride_kn, stride_kd, D, HEAD_DIM)
         k = tl.where(rows[:, None] < NK, k - mean[None, :], 0.0)  # zero padded after smoothing
         amax = tl.maximum(amax, tl.abs(k), propagate_nan=tl.PropagateNan.ALL)
-    scale = amax_scale(tl.reduce(amax, None, max_propagate_nan), 127.0)
+    scale = _amax_scale(tl.reduce(amax, None, max_propagate_nan), 127.0)
     for r in range(0, ROWS, TILE):
         rows = block * ROWS + r + tl.arange(0, TILE)
         k = _load_rows(K, b, h, rows, NK, stride_kb, stride_kh, stride_kn, stride_kd, D, HEAD_DIM) - mean[None, :]
-        _store_rows(K8, bh, rows, NK, round_int8(per_scale(k, scale), EMULATE), D, HEAD_DIM)
+        _store_rows(K8, bh, rows, NK, _round_int8(_per_scale(k, scale), EMULATE), D, HEAD_DIM)
     blocks = tl.cdiv(NK, ROWS)
     tl.store(KS + bh * (blocks + 1) + block, scale)
     if block == blocks - 1:  # formats.scale_blocks: the spare block after the last has scale 1
@@ -153,9 +175,9 @@ def _v_rows(pid, V, VT, VS, VMAX, HKV, KV_HEADS, NK, N_CHUNKS, stride_vb, stride
     for c in range(N_CHUNKS):
         amax = tl.maximum(amax, tl.load(VMAX + bh * N_CHUNKS + c + tl.zeros([1], tl.int32)),
                           propagate_nan=tl.PropagateNan.ALL)
-    scale = amax_scale(amax, 448.0)
+    scale = _amax_scale(amax, 448.0)
     v = _load_rows(V, b, h, rows, NK, stride_vb, stride_vh, stride_vn, stride_vd, D, HEAD_DIM)
-    v8 = tl.clamp(per_scale(v, scale[:, None]), -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
+    v8 = tl.clamp(_per_scale(v, scale[:, None]), -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
     v8 = tl.where(tl.abs(v) < float("inf"), v8, float("nan"))  # Inf and NaN become V's NaN code
     # K-major store: the tile goes out transposed, tokens contiguous.
     v_index = bh.to(tl.int64) * D * NK + tl.arange(0, HEAD_DIM)[None, :].to(tl.int64) * NK + rows[:, None]
@@ -194,30 +216,16 @@ def quantize_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale:
     """``formats.quantize_inputs(q, k, v, sm_scale, "fp8")``: ``(q8, k8, v_t, q_scale,
     k_scale, v_scale)`` from ``[B, H, N, D]`` views with any strides; outputs are contiguous."""
     b, h, nq, d = q.shape
-    q8 = torch.empty(b, h, nq, d, dtype=torch.int8, device=q.device)
-    q_scale = torch.empty(b, h, nq, dtype=torch.float32, device=q.device)
-    k8, v_t, k_scale, v_scale = _launch(q, q8, q_scale, sm_scale, k, v)
-    return q8, k8, v_t, q_scale, k_scale, v_scale
-
-
-def quantize_kv(k: torch.Tensor, v: torch.Tensor):
-    """K and V alone, for a forward kernel that quantizes Q itself: ``(k8, v_t, k_scale,
-    v_scale)`` as ``quantize_inputs`` returns them."""
-    return _launch(None, None, None, 1.0, k, v)
-
-
-def _launch(q, q8, q_scale, sm_scale, k, v):
-    """Both launches; Q's programs only where ``q`` is given.  Returns K's and V's outputs."""
-    b, hkv, nk, d = k.shape
-    dv = v.shape[-1]
-    dev = k.device
+    hkv, nk, dv = k.shape[1], k.shape[2], v.shape[-1]
+    dev = q.device
+    q8 = torch.empty(b, h, nq, d, dtype=torch.int8, device=dev)
+    q_scale = torch.empty(b, h, nq, dtype=torch.float32, device=dev)
     k8 = torch.empty(b, hkv, nk, d, dtype=torch.int8, device=dev)
     k_scale = torch.empty(b, hkv, F.scale_blocks(nk), dtype=torch.float32, device=dev)
     v_t = torch.empty(b, hkv, dv, nk, dtype=F.E4M3, device=dev)
     v_scale = torch.empty(b, hkv, dtype=torch.float32, device=dev)
-    h, nq = (q.shape[1], q.shape[2]) if q is not None else (hkv, 0)
-    if k8.numel() == 0 or (q is not None and q8.numel() == 0):
-        return k8, v_t, k_scale, v_scale
+    if q8.numel() == 0 or k8.numel() == 0:
+        return q8, k8, v_t, q_scale, k_scale, v_scale
 
     # Enough stats programs to fill the GPU a few times over; chunks a multiple of the tile.
     sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
@@ -234,11 +242,10 @@ def _launch(q, q8, q_scale, sm_scale, k, v):
     v_programs = b * hkv * triton.cdiv(nk, _V_ROWS)
     k_programs = b * hkv * triton.cdiv(nk, F.SCALE_BLOCK)
     grid = (v_programs + k_programs + b * h * triton.cdiv(nq, _Q_ROWS),)
-    q_args = (q, q8, q_scale) if q is not None else (k, k8, k_scale)  # never read without Q programs
-    _quantize[grid](q_args[0], k, v, q_args[1], q_args[2], k8, k_scale, v_t, v_scale, k_mean, v_max,
+    _quantize[grid](q, k, v, q8, q_scale, k8, k_scale, v_t, v_scale, k_mean, v_max,
                     float(sm_scale), h, hkv, b * hkv, nq, nk, v_programs, k_programs, chunks,
-                    *q_args[0].stride(), *k.stride(), *v.stride(),
+                    *q.stride(), *k.stride(), *v.stride(),
                     **dims, Q_ROWS=_Q_ROWS, K_BLOCK=F.SCALE_BLOCK, K_TILE=_K_TILE, V_ROWS=_V_ROWS,
                     EMULATE=os.environ.get("TRITON_INTERPRET", "0") == "1",
                     num_warps=_WARPS, num_stages=1)
-    return k8, v_t, k_scale, v_scale
+    return q8, k8, v_t, q_scale, k_scale, v_scale
