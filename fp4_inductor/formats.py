@@ -325,59 +325,38 @@ def e4m3_value(code: torch.Tensor) -> torch.Tensor:
     return code.to(torch.uint8).view(E4M3).float()
 
 
-def direct_p_codes(x: torch.Tensor, m: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def direct_p_codes(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     """Direct-P: E4M3 code from the log2 score with one FMA and a clamp.
 
     The E4M3 bit pattern read as an integer is 8 log2(value) + 56 at every power of two
     and linear in between, so ``8 (x - m) + 120`` is the code of ``2 ** (x - m + 8)``
     up to the piecewise-linear error (at most +6.1 %, one-sided).  One float32 rounding
-    of ``8 x + c``, ``c = 120 - 8 m``: the sum is formed in float64, then rounded once
-    (``x``: float32, or ``reference.log2_scores``'s exact float64 product, which the
-    kernels' FFMA takes unrounded).  The float64 sum is exact while the product's 46
-    significant bits and ``c``'s share 53 (log2 scales t above about 2**-26); below, a
-    double rounding is possible but needs a float64 tie, in practice never.
-
-    A ``bias`` (log2 units, broadcast to ``x``) joins the offset, ``c = fl(8 b + 120 -
-    8 m)`` rounded once, and the product still enters unrounded: a zero bias gives the
-    bias-free codes, so a kernel runs a mask's all-zero tiles as unmasked ones (one
-    multiply a score fewer than rounding ``x + b`` first; accuracy-neutral,
-    ``benchmarks/lab/explore_zero_bias.py``).
+    of ``8 x + 120 - 8 m``: the sum is formed in float64, then rounded once (``x``:
+    float32, or ``reference.log2_scores``'s exact float64 product, which the kernels' FFMA
+    takes unrounded).  The float64 sum is exact while the product's 46 significant bits
+    and the integer share 53 (log2 scales t above about 2**-26); below, a double rounding
+    is possible but needs a float64 tie, in practice never.
     """
-    offset = FP8_P_CODE_AT_MAX - 8.0 * m.double()
-    if bias is not None:
-        offset = (bias.double() * 8.0 + offset).float().double()
-    t = (x.double() * 8.0 + offset).float()
+    t = (x.double() * 8.0 + (FP8_P_CODE_AT_MAX - 8.0 * m.double())).float()
     return torch.round(t.clamp(0.0, FP8_P_MAX_CODE))
 
 
-def probability_operand(x: torch.Tensor, m: torch.Tensor, p_mode: str, bias: torch.Tensor | None = None
-                        ) -> torch.Tensor:
+def probability_operand(x: torch.Tensor, m: torch.Tensor, p_mode: str) -> torch.Tensor:
     """The float32 value of the E4M3 P operand fed to the P.V product.
 
-    ``x``: ``[..., rows, keys]`` products s t of one key tile (-inf where masked), float32
-    or ``reference.log2_scores``'s exact float64; ``bias``: its log2 bias tile or None;
-    ``m``: ``[..., rows, 1]`` integer row reference with ``m >= max(x + bias)``.
-    Direct-P takes the product unrounded and the bias in its offset
-    (``direct_p_codes``); the other modes take the log2 scores ``fl(x + bias)`` (one
-    rounding, the kernels' FMA), or without a bias ``x`` rounded to float32.
+    ``x``: ``[..., rows, keys]`` log2 scores of one key tile (-inf where masked), float32
+    or ``reference.log2_scores``'s float64 (Direct-P rounds it once, the other modes round
+    it to float32 first); ``m``: ``[..., rows, 1]`` integer row reference with
+    ``m >= max(x)``.
     """
     if p_mode == "direct":
-        return e4m3_value(direct_p_codes(x, m, bias))
-    x = log2_scores_of(x, bias)
+        return e4m3_value(direct_p_codes(x, m))
+    x = x.float()
     if p_mode == "exp":
         return torch.exp2(x - m + 8.0).to(E4M3).float()
     if p_mode == "fp4":
         return fp4_probability(x, m)
     raise ValueError(f"unknown p_mode {p_mode!r}")
-
-
-def log2_scores_of(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """float32 log2 scores ``fl(x + bias)`` of products s t (rounded once: the FMA of the
-    exact product and the bias), or ``fl(x)`` without a bias; what the row reference is
-    the ceiling of the largest of."""
-    if bias is None:
-        return x.float()
-    return (x.double() + bias.double()).float()
 
 
 def fp4_probability(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:

@@ -26,6 +26,11 @@ def _group_sum(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return x.unflatten(1, (kv_heads, h // kv_heads)).sum(dim=2) if h != kv_heads else x
 
 
+def _fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    # a * b is exact in float64, so this rounds once, as a fused multiply-add does.
+    return (a.double() * b.double() + c.double()).float()
+
+
 def log2_scores(
     q8: torch.Tensor,
     k8: torch.Tensor,
@@ -37,12 +42,12 @@ def log2_scores(
     queries: slice = slice(None),
     diagonal: int = 0,
     window: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(st, b)`` for one key range (and query range): ``st = (q8 . k8) * (q_scale *
-    log2e * k_scale)``, the exact float64 product (-inf where the causal structure hides a
-    key, ``formats.visible``), and the bias's tile (None without one).  Direct-P's codes
-    take the product unrounded and the bias in their offset (``formats.direct_p_codes``);
-    the row reference and the other modes take ``formats.log2_scores_of(st, b)``."""
+) -> torch.Tensor:
+    """``x = (q8 . k8) * (q_scale * log2e * k_scale) + bias`` for one key range (and
+    query range), -inf where the causal structure hides a key (``formats.visible``).
+    float64: without a bias the exact product, which Direct-P's codes round once (the
+    kernels fold the product into their FFMA); its other uses round it to float32 first
+    (``x.float()``, the kernels' ``mul.rn``).  With a bias, the float32 FMA."""
     nq, nk = q8.shape[-2], k8.shape[-2]
     # INT8 products summed exactly: float64 holds every partial sum (|acc| < 2**24 for
     # D <= 1024, so the float32 value is exact too), and unlike int64 it runs on CUDA.
@@ -51,20 +56,22 @@ def log2_scores(
     row = q_scale[..., queries] * F.LOG2E
     col = _heads(F.expand_block_scale(k_scale, nk)[..., keys], q8.shape[1])
     t = row[..., :, None] * col[..., None, :]
-    st = acc.double() * t.double()  # exact: a 22-bit integer times a float32
-    b = None if bias is None else bias.expand(*q8.shape[:2], nq, nk)[..., queries, keys]
-    rows = torch.arange(nq, device=st.device)[queries][:, None]
-    cols = torch.arange(nk, device=st.device)[keys][None, :]
+    if bias is None:
+        x = acc.double() * t.double()  # exact: a 22-bit integer times a float32
+    else:
+        b = bias.expand(*q8.shape[:2], nq, nk)[..., queries, keys]
+        x = _fma(acc, t, b).double()
+    rows = torch.arange(nq, device=x.device)[queries][:, None]
+    cols = torch.arange(nk, device=x.device)[keys][None, :]
     keep = F.visible(rows, cols, causal, diagonal, window)
-    return (st if keep is None else st.masked_fill(~keep, float("-inf"))), b
+    return x if keep is None else x.masked_fill(~keep, float("-inf"))
 
 
-def _probability(st: torch.Tensor, b: torch.Tensor | None, m: torch.Tensor, p_mode: str) -> torch.Tensor:
-    pad = (-st.shape[-1]) % F.FP4_BLOCK if p_mode == "fp4" else 0
+def _probability(x: torch.Tensor, m: torch.Tensor, p_mode: str) -> torch.Tensor:
+    pad = (-x.shape[-1]) % F.FP4_BLOCK if p_mode == "fp4" else 0
     if pad:
-        st = torch.nn.functional.pad(st, (0, pad), value=float("-inf"))
-        b = None if b is None else torch.nn.functional.pad(b, (0, pad))
-    p = F.probability_operand(st, m, p_mode, b)
+        x = torch.nn.functional.pad(x, (0, pad), value=float("-inf"))
+    p = F.probability_operand(x, m, p_mode)
     return p[..., : p.shape[-1] - pad] if pad else p
 
 
@@ -95,13 +102,13 @@ def attention_forward(
     acc = torch.zeros((b, h, nq, dv), device=q8.device)
     for start in range(0, nk, F.KEY_TILE):
         keys = slice(start, min(start + F.KEY_TILE, nk))
-        st, b_tile = log2_scores(q8, k8, q_scale, k_scale, bias, causal, keys, diagonal=diagonal, window=window)
-        m_new = torch.maximum(m, torch.ceil(F.log2_scores_of(st, b_tile).amax(dim=-1, keepdim=True)))
+        x = log2_scores(q8, k8, q_scale, k_scale, bias, causal, keys, diagonal=diagonal, window=window)
+        m_new = torch.maximum(m, torch.ceil(x.float().amax(dim=-1, keepdim=True)))
         # Rows with every key so far masked keep reference -inf and contribute nothing.
         alpha = torch.where(m_new == m, 1.0, torch.exp2(m - m_new))
         # A row with no visible key yet has P = 0 whatever its reference: 0 instead of -inf
         # keeps x - m from NaN (-inf - -inf).
-        p = _probability(st, b_tile, torch.where(m_new == float("-inf"), 0.0, m_new), p_mode)
+        p = _probability(x, torch.where(m_new == float("-inf"), 0.0, m_new), p_mode)
         l = l * alpha + p.sum(dim=-1, keepdim=True)
         acc = acc * alpha + p @ v[..., keys, :]
         m = m_new
@@ -170,8 +177,8 @@ def attention_backward(
     dq, dk, dv = [], 0.0, 0.0
     for start in range(0, nq, step):
         rows = slice(start, min(start + step, nq))
-        st, b_tile = log2_scores(q8, k8, q_scale, k_scale, bias, causal, slice(0, nk), rows, diagonal, window)
-        p = _probability(st, b_tile, r[..., rows, None], p_mode)
+        x = log2_scores(q8, k8, q_scale, k_scale, bias, causal, slice(0, nk), rows, diagonal, window)
+        p = _probability(x, r[..., rows, None], p_mode)
         ds = p * (do[..., rows, :] @ v.transpose(-1, -2) - delta[..., rows, None])
         dq.append(quantize_ds_blocks(ds, F.DS_BLOCK_DQ) @ k)
         dk = dk + quantize_ds_blocks(ds, dk_block).transpose(-1, -2) @ q[..., rows, :]

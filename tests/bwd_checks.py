@@ -136,8 +136,8 @@ def check(ops, causal, p_mode, grads, dumps, diagonal=0, window=0):
     p_k, dp_k, ds_dq = dumps
 
     # 1. P codes
-    st, b = R.log2_scores(q8, k8, qs, ks, bias, causal, slice(0, k8.shape[-2]), diagonal=diagonal, window=window)
-    p_ref = R._probability(st, b, row_ref[..., None], p_mode)
+    x = R.log2_scores(q8, k8, qs, ks, bias, causal, slice(0, k8.shape[-2]), diagonal=diagonal, window=window)
+    p_ref = R._probability(x, row_ref[..., None], p_mode)
     flips = p_k != p_ref
     if p_mode == "exp":
         assert flips.sum() <= 1e-4 * flips.numel(), f"{int(flips.sum())} P codes differ"

@@ -183,10 +183,10 @@ vt = (torch.randn(1, 1, d, nk) * 100).to(F.E4M3)
 ops = operands_of((q8, k8, vt, qs, ks, torch.ones(1, 1)), None, False, "direct")
 grads, dumps = run(ops, False, "direct", device="cpu")
 check(ops, False, "direct", grads, dumps)  # P codes bit for bit, among the rest
-x, _ = R.log2_scores(q8, k8, qs, ks, None, False, slice(0, nk))
+x = R.log2_scores(q8, k8, qs, ks, None, False, slice(0, nk))
 row_ref = ops[-1][..., None]
-assert torch.equal(dumps[0], R._probability(x, None, row_ref, "direct"))
-assert not torch.equal(dumps[0], R._probability(x.float(), None, row_ref, "direct"))
+assert torch.equal(dumps[0], R._probability(x, row_ref, "direct"))
+assert not torch.equal(dumps[0], R._probability(x.float(), row_ref, "direct"))
 """
 
 

@@ -87,9 +87,9 @@ def test_backward_rebuilds_forward_probabilities(p_mode):
     q, k, v = (torch.randn(1, 2, 200, 64) for _ in range(3))
     q8, k8, v8t, qs, ks, vs = _quantized(q, k, v)
     out, lse, row_ref = R.attention_forward(q8, k8, v8t, qs, ks, vs, None, True, p_mode, torch.float32)
-    x, _ = R.log2_scores(q8, k8, qs, ks, None, True, slice(0, 200))
+    x = R.log2_scores(q8, k8, qs, ks, None, True, slice(0, 200))
     assert torch.equal(row_ref, torch.ceil(x.float().amax(dim=-1)))  # the kernels' rounded maximum
-    p = R._probability(x, None, row_ref[..., None], p_mode)
+    p = R._probability(x, row_ref[..., None], p_mode)
     p_norm = p * F.backward_row_factor(lse, row_ref, p_mode)[..., None]
     # Equal up to the sub-normal tail: values the forward rounded against an earlier, lower
     # running reference and backward re-rounds coarser (measured over 40 seeds: at most

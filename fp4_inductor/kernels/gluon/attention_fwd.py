@@ -102,18 +102,18 @@ def _e4m3(v):
 
 
 @gluon.jit
-def _probability(x, t, m, y, bias, EXP: gl.constexpr, KEY_BIAS: gl.constexpr):
+def _probability(x, t, m, EXP: gl.constexpr, SCALED: gl.constexpr):
     """The E4M3 P operand of one tile, as the Triton kernel's _probability, from
-    ``_scores``' x, y and bias and t, against the row references ``m``; t and m are
-    [rows, 1]; a row whose reference is still -inf gets P = 0 (built against 0: exp's
-    x - m would be NaN).  Direct-P: ``_direct_p`` of the integer scores (x, or with a key
-    bias y) with the offset of m, the bias joining it (formats.direct_p_codes); exp:
-    exp2(x - m + 8) of the log2 scores, converted by the cvt instruction."""
+    ``_scores``'s x and t, against the row references ``m``; t and m are [rows, 1]; a row
+    whose reference is still -inf gets P = 0 (built against 0: exp's x - m would be NaN).
+    Direct-P: ``_direct_p`` of the integer scores with the bias of m, or (SCALED) of the
+    log2 scores with t = 1; exp: exp2(x - m + 8) of the log2 scores, converted by the
+    cvt instruction."""
     m = gl.where(m == float("-inf"), 0.0, m)  # a row with no visible key yet: P = 0, not NaN
     if EXP:
         return _e4m3(gl.exp2(x - m + 8.0)).to(gl.float8e4nv, bitcast=True)
-    if KEY_BIAS:
-        return _direct_p(y, t * 0.03125, gl.fma(bias[None, :], gl.full_like(y, 0.03125), _direct_p_bias(m)))
+    if SCALED:
+        return _direct_p(x, gl.full_like(t, 0.03125), _direct_p_bias(m))
     return _direct_p(x, t * 0.03125, _direct_p_bias(m))
 
 
@@ -156,16 +156,13 @@ def _p_operand(p, p_layout: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr):
 @gluon.jit
 def _scores(s, row_t, ks_ptr, bias_row, j, rows, NK, DIAGONAL, WINDOW, BN: gl.constexpr, CAUSAL: gl.constexpr,
             WINDOWED: gl.constexpr, MASKED: gl.constexpr, EXP: gl.constexpr, KEY_BIAS: gl.constexpr):
-    """Tile j's scores from its int32 products and the rows' log2 scale t: (x, t, y, bias).
-    x, what the row maximum and exp's P take: the log2 scores (EXP: rounded on their own,
-    with KEY_BIAS plus the key biases of ``bias_row`` in one FMA; both as the
-    reference's), or the integer scores as float32 (Direct-P folds t into its FFMA; with
-    KEY_BIAS the row maximum forms fl(s t + b) itself).  KEY_BIAS (an edge
-    tile of a key bias, always MASKED; ``key_bias``): y, the integer scores as float32,
-    and bias, the tile's biases by score column, which Direct-P's codes take (a tile of
-    zero biases runs without them: the same codes).  MASKED: keys past NK and (causal)
-    keys the structure hides (``formats.visible``: after row + DIAGONAL, or WINDOWED, at
-    or before row + DIAGONAL - WINDOW) at -inf, in x and y."""
+    """Tile j's scores from its int32 products and the rows' log2 scale t: x, the log2
+    scores (EXP or KEY_BIAS, rounded on their own as the reference's), or the integer
+    scores as float32 (Direct-P folds t into its FFMA); KEY_BIAS and MASKED: the log2
+    scores plus the key biases of ``bias_row`` in one FMA (the reference's), the tiles
+    left unmasked having only zero biases (``key_bias``); MASKED: keys past NK and
+    (causal) keys the structure hides (``formats.visible``: after row + DIAGONAL, or
+    WINDOWED, at or before row + DIAGONAL - WINDOW) at -inf.  Returns (x, t)."""
     if WINDOWED:  # a windowed program's second tile may lie past the keys (``_consumer``)
         t = row_t * gl.load(ks_ptr + gl.minimum(j, (NK - 1) // BN))
     else:
@@ -173,44 +170,35 @@ def _scores(s, row_t, ks_ptr, bias_row, j, rows, NK, DIAGONAL, WINDOW, BN: gl.co
     x = s.to(gl.float32)
     if MASKED:
         keys = j * BN + _key_order(BN, gl.SliceLayout(0, s.type.layout))
+    if KEY_BIAS and MASKED:
+        # One bias a thread, then to the score columns' layout (through shared memory):
+        # loaded in that layout, the 32 addresses a thread would stay live across loops.
+        flat: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+        flat_keys = j * BN + _key_order(BN, flat)
+        bias = gl.load(bias_row + flat_keys, mask=flat_keys < NK, other=0.0)
+        x = gl.fma(x, t[:, None], gl.convert_layout(bias, gl.SliceLayout(0, s.type.layout))[None, :])
+    elif EXP or KEY_BIAS:
+        x = _mul_rn(x, t[:, None])
+    if MASKED:
         ok = (keys < NK)[None, :]
         if CAUSAL:
             last = rows[:, None] + DIAGONAL
             ok = ok & (keys[None, :] <= last)
             if WINDOWED:
                 ok = ok & (keys[None, :] > last - WINDOW)
-    y = x
-    bias = t  # read with KEY_BIAS only
-    if KEY_BIAS:
-        # One bias a thread, then to the score columns' layout (through shared memory):
-        # loaded in that layout, the 32 addresses a thread would stay live across loops.
-        flat: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
-        flat_keys = j * BN + _key_order(BN, flat)
-        bias = gl.convert_layout(gl.load(bias_row + flat_keys, mask=flat_keys < NK, other=0.0),
-                                 gl.SliceLayout(0, s.type.layout))
-        if EXP:
-            x = gl.fma(x, t[:, None], bias[None, :])
-        else:  # -inf scores where hidden: fl(y t + b) and Direct-P's z are -inf there
-            y = gl.where(ok, x, float("-inf"))
-    elif EXP:
-        x = _mul_rn(x, t[:, None])
-    if MASKED:
         x = gl.where(ok, x, float("-inf"))
-    return x, t, y, bias
+    return x, t
 
 
 @gluon.jit
-def _row_max(x, t, y, bias, EXP: gl.constexpr, KEY_BIAS: gl.constexpr):
-    """The rows' largest log2 score from ``_scores``: of the log2 scores x (EXP), of
-    fl(y t + bias) (KEY_BIAS: formed inside the reduction, not kept), or of the integer
-    scores x, the rounded product of the largest one (rounding is monotonic and t > 0),
-    rows all -inf staying -inf."""
-    if EXP:
-        return gl.reduce(x, 1, _max_nan)
-    if KEY_BIAS:
-        return gl.reduce(gl.fma(y, t[:, None], bias[None, :]), 1, _max_nan)
+def _row_max(x, t, SCALED: gl.constexpr):
+    """The rows' largest log2 score from ``_scores``: for integer scores (not SCALED) the
+    rounded product of the largest one (rounding is monotonic and t > 0), rows all -inf
+    staying -inf."""
     x_max = gl.reduce(x, 1, _max_nan)
-    return gl.where(x_max == float("-inf"), x_max, _mul_rn(x_max, t))
+    if not SCALED:
+        x_max = gl.where(x_max == float("-inf"), x_max, _mul_rn(x_max, t))
+    return x_max
 
 
 @gluon.jit
@@ -248,7 +236,7 @@ def _step(i, j, state, q, s_zero, row_t, rows, ks_ptr, bias_row, NK, DIAGONAL, W
     # A key bias's edge tiles take tile j-1's products before their softmax: its
     # accumulators, freed, make room for the biases (one or two tiles a row: the stall
     # is cheap; carried through the softmax, they spilled at D = 128).
-    EARLY: gl.constexpr = KEY_BIAS  # (an edge tile: always masked)
+    EARLY: gl.constexpr = KEY_BIAS and MASKED
     if EARLY:
         s, part, l_part = warpgroup_mma_wait(0, deps=(s, part, l_part))
         mbarrier.arrive(v_empty.index(prev))
@@ -256,11 +244,11 @@ def _step(i, j, state, q, s_zero, row_t, rows, ks_ptr, bias_row, NK, DIAGONAL, W
     else:
         s = warpgroup_mma_wait(2, deps=(s,))
     mbarrier.arrive(k_empty.index(stage))
-    x, t, y, bias = _scores(s, row_t, ks_ptr, bias_row, j, rows, NK, DIAGONAL, WINDOW, BN, CAUSAL, WINDOWED,
-                            MASKED, EXP, KEY_BIAS)
-    m_new = gl.maximum(m_i, gl.ceil(_row_max(x, t, y, bias, EXP, KEY_BIAS)), propagate_nan=tl.PropagateNan.ALL)
+    x, t = _scores(s, row_t, ks_ptr, bias_row, j, rows, NK, DIAGONAL, WINDOW, BN, CAUSAL, WINDOWED, MASKED, EXP,
+                   KEY_BIAS)
+    m_new = gl.maximum(m_i, gl.ceil(_row_max(x, t, EXP or KEY_BIAS)), propagate_nan=tl.PropagateNan.ALL)
     alpha_new = gl.where(m_new == m_i, 1.0, gl.exp2(m_i - m_new))
-    p = _probability(x, t[:, None], m_new[:, None], y, bias, EXP, KEY_BIAS)
+    p = _probability(x, t[:, None], m_new[:, None], EXP, KEY_BIAS)
     if not EARLY:
         part, l_part = warpgroup_mma_wait(0, deps=(part, l_part))
         mbarrier.arrive(v_empty.index(prev))
@@ -295,7 +283,7 @@ def _consumer(qs_ptr, ks_ptr, vs_ptr, out_ptr, lse_ptr, ref_ptr, bias_row, smem,
               WG: gl.constexpr, HEAD_DIM: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
               STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOWED: gl.constexpr, EXP: gl.constexpr,
               LIFT: gl.constexpr, EMPTY_ROW: gl.constexpr, KEY_BIAS: gl.constexpr):
-    lo, n_iter, full_lo, full_hi, zero_lo, zero_hi = tiles
+    lo, n_iter, full_lo, full_hi = tiles
     q_smem, k_bufs, v_bufs, ones = smem
     q_bar, k_ready, k_empty, v_ready, v_empty, turn = bars
     nw: gl.constexpr = gl.num_warps()
@@ -321,13 +309,12 @@ def _consumer(qs_ptr, ks_ptr, vs_ptr, out_ptr, lse_ptr, ref_ptr, bias_row, smem,
     mbarrier.arrive(turn.index(1 - WG))
     s = warpgroup_mma_wait(0, deps=(s,))
     mbarrier.arrive(k_empty.index(0))
-    x, t, y, bias = _scores(s, row_t, ks_ptr, bias_row, lo, rows, NK, DIAGONAL, WINDOW, BN, CAUSAL, WINDOWED, True,
-                            EXP, KEY_BIAS)
-    m_i = gl.ceil(_row_max(x, t, y, bias, EXP, KEY_BIAS))
+    x, t = _scores(s, row_t, ks_ptr, bias_row, lo, rows, NK, DIAGONAL, WINDOW, BN, CAUSAL, WINDOWED, True, EXP,
+                   KEY_BIAS)
+    m_i = gl.ceil(_row_max(x, t, EXP or KEY_BIAS))
     state = (gl.zeros([BM, HEAD_DIM], gl.float32, o_layout), gl.zeros([BM, HEAD_DIM], gl.float32, o_layout),
              gl.zeros([BM, ONES_N], gl.float32, l_layout), gl.zeros([BM, ONES_N], gl.float32, l_layout),
-             m_i, _probability(x, t[:, None], m_i[:, None], y, bias, EXP, KEY_BIAS),
-             gl.full([BM], 1.0, gl.float32, row_s))
+             m_i, _probability(x, t[:, None], m_i[:, None], EXP, KEY_BIAS), gl.full([BM], 1.0, gl.float32, row_s))
     # Tiles lo+1 .. hi-1: unmasked from b1 up to full_hi, masked after (the diagonal, the
     # keys' end, a key bias's last edge tile).  No loop runs before the unmasked one: in a
     # second loop the compiler carries P's codes unpacked and repacks them every tile
@@ -336,8 +323,7 @@ def _consumer(qs_ptr, ks_ptr, vs_ptr, out_ptr, lse_ptr, ref_ptr, bias_row, smem,
     # one more straight-line step (``_fwd_ws`` gives windowed programs two tiles at
     # least; a tile past the visible ones is masked out whole); a key bias's first edge
     # tile is tile lo; and where tiles b1.. are not all unmasked (a bias whose zero run
-    # starts later), every tile goes to the masked loops.  With a key bias the masked
-    # tiles of its zero run (the diagonal's) run without it, the rest add it.
+    # starts later), every tile goes to the last loop.
     hi = lo + n_iter
     b1 = lo + 1
     if WINDOWED:
@@ -349,14 +335,8 @@ def _consumer(qs_ptr, ks_ptr, vs_ptr, out_ptr, lse_ptr, ref_ptr, bias_row, smem,
     b2 = gl.minimum(gl.maximum(full_hi, b1), hi)
     for j in range(b1, b2):
         state = _step(j - lo, j, state, q, s_zero, row_t, rows, ks_ptr, bias_row, NK, DIAGONAL, WINDOW, smem, bars,
-                      WG, HEAD_DIM, BM, BN, STAGES, CAUSAL, WINDOWED, EXP, False, False)
-    b3 = b2
-    if KEY_BIAS and not WINDOWED:  # (a fifth body: with a window's straight-line step it spilled at D = 128)
-        b3 = gl.where(zero_lo <= b2, gl.minimum(gl.maximum(zero_hi, b2), hi), b2)
-        for j in range(b2, b3):
-            state = _step(j - lo, j, state, q, s_zero, row_t, rows, ks_ptr, bias_row, NK, DIAGONAL, WINDOW, smem,
-                          bars, WG, HEAD_DIM, BM, BN, STAGES, CAUSAL, WINDOWED, EXP, True, False)
-    for j in range(b3, hi):
+                      WG, HEAD_DIM, BM, BN, STAGES, CAUSAL, WINDOWED, EXP, False, KEY_BIAS)
+    for j in range(b2, hi):
         state = _step(j - lo, j, state, q, s_zero, row_t, rows, ks_ptr, bias_row, NK, DIAGONAL, WINDOW, smem, bars,
                       WG, HEAD_DIM, BM, BN, STAGES, CAUSAL, WINDOWED, EXP, True, KEY_BIAS)
     acc, part, l_acc, l_part, m_i, p, alpha = state
@@ -408,10 +388,9 @@ def _program_tiles(NK, GROUP, DIAGONAL, WINDOW, BM: gl.constexpr, BN: gl.constex
                    WINDOWED: gl.constexpr):
     """A program's first query row (two warpgroups of BM rows), (batch, head), shared K/V
     head (GQA/MQA: H is a multiple of GROUP) and its key tiles (lo, count, full_lo,
-    full_hi, zero_lo, zero_hi): tiles lo .. lo + count - 1 hold every key the structure
-    shows any of its rows (at least one tile, whose keys may all be hidden), tiles
-    full_lo .. full_hi - 1 need no mask, being wholly inside the keys and visible to every
-    row, and zero_lo .. zero_hi - 1 are a key bias's zero run (``_key_bias_tiles``).  Both
+    full_hi): tiles lo .. lo + count - 1 hold every key the structure shows any of its rows
+    (at least one tile, whose keys may all be hidden), and tiles full_lo .. full_hi - 1
+    need no mask, being wholly inside the keys and visible to every row.  Both
     warpgroups walk the same tiles.  Causal: the last query rows walk the most key tiles,
     so they launch first."""
     pid_m = gl.num_programs(0) - 1 - gl.program_id(0) if CAUSAL else gl.program_id(0)
@@ -431,7 +410,7 @@ def _program_tiles(NK, GROUP, DIAGONAL, WINDOW, BM: gl.constexpr, BN: gl.constex
             lo = gl.minimum(gl.maximum(first - WINDOW + 1, 0) // BN, tiles - 1)
             full_lo = gl.cdiv(gl.maximum(last - WINDOW + 1, 0), BN)
     hi = gl.maximum(hi, lo + 1)
-    return start_m, bh, bh // GROUP, (lo, hi - lo, full_lo, full_hi, lo, lo)  # no zero run (``_key_bias_tiles``)
+    return start_m, bh, bh // GROUP, (lo, hi - lo, full_lo, full_hi)
 
 
 @gluon.jit
@@ -440,14 +419,13 @@ def _key_bias_tiles(tiles, ranges_ptr):
     ``ranges_ptr``): wholly masked tiles skipped, only its zero tiles unmasked.  Where no
     visible tile keeps a key, the first visible tile runs alone (its keys all masked: the
     rows come out with no visible key, as the reference's)."""
-    lo, n_iter, full_lo, full_hi, _, _ = tiles
+    lo, n_iter, full_lo, full_hi = tiles
     kept_lo = gl.maximum(lo, gl.load(ranges_ptr))
     kept_hi = gl.minimum(lo + n_iter, gl.load(ranges_ptr + 1))
     none = kept_hi <= kept_lo
     lo = gl.where(none, lo, kept_lo)
     n_iter = gl.where(none, 1, kept_hi - kept_lo)
-    zero_lo, zero_hi = gl.load(ranges_ptr + 2), gl.load(ranges_ptr + 3)
-    return (lo, n_iter, gl.maximum(full_lo, zero_lo), gl.minimum(full_hi, zero_hi), zero_lo, zero_hi)
+    return (lo, n_iter, gl.maximum(full_lo, gl.load(ranges_ptr + 2)), gl.minimum(full_hi, gl.load(ranges_ptr + 3)))
 
 
 @gluon.jit
@@ -496,7 +474,7 @@ def _fwd_ws(q_desc, k_desc, v_desc, qs_ptr, ks_ptr, vs_ptr, out_ptr, lse_ptr, re
         tiles = _key_bias_tiles(tiles, ranges_ptr + row * 4)
         bias_row = bias_ptr + row.to(gl.int64) * NK
     if WINDOWED:  # the consumers' second step is straight-line code (``_consumer``)
-        tiles = (tiles[0], gl.maximum(tiles[1], 2), tiles[2], tiles[3], tiles[4], tiles[5])
+        tiles = (tiles[0], gl.maximum(tiles[1], 2), tiles[2], tiles[3])
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
     k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)

@@ -81,19 +81,19 @@ def _to_operand(y, EMULATE: tl.constexpr):
 
 
 @triton.jit
-def _probability_t(x, x_scale, r, offset, P_MODE: tl.constexpr, EMULATE: tl.constexpr,
+def _probability_t(x, x_scale, r, P_MODE: tl.constexpr, EMULATE: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
-    """E4M3 P operand of a transposed tile [keys, queries], ``r`` [queries] integer row
-    references (formats.probability_operand, keys along axis 0).  Direct-P takes x = s,
-    the integer scores, with x_scale = t (the product folded into its FMA, unrounded) and
-    the offset c = fl(8 b + 120 - 8 r) (``_tile``); the other modes take the log2 scores
-    x (x_scale and offset unused)."""
+    """E4M3 P operand of a transposed tile: log2 scores x * x_scale [keys, queries], ``r``
+    [queries] integer row references (formats.probability_operand, keys along axis 0).
+    Direct-P takes x = s, the integer scores, with x_scale = t (the product folded into
+    its FMA, unrounded), or the log2 scores with x_scale = 1; the other modes take the log2
+    scores (x_scale unused)."""
     if P_MODE == 0:
-        # code = rne(clamp(8 s t + c, 0, 126)), one rounding (an FMA of s * 8 t), as the
-        # reference's.  c + 2**23 leaves rne(c) in the low mantissa byte.  A masked
+        # code = rne(clamp(8 x + 120 - 8 r, 0, 126)), one rounding (an FMA of x * 8 t), as
+        # the reference's.  c + 2**23 leaves rne(c) in the low mantissa byte.  A masked
         # score of a padded query (-inf times t = 0) is NaN here: the maximum, which does
         # not propagate NaN, makes it 0, code 0 (a NaN-propagating clamp would give 0xFF).
-        c = tl.minimum(tl.maximum(tl.fma(x, x_scale * 8.0, offset), 0.0), 126.0)
+        c = tl.minimum(tl.maximum(tl.fma(x, x_scale * 8.0, (120.0 - 8.0 * r)[None, :]), 0.0), 126.0)
         code = (c + 8388608.0).to(tl.int32, bitcast=True) & 0xFF
         if EMULATE:
             p = e4m3_code_value(code)
@@ -131,23 +131,21 @@ def _tile(k, v, q, do, row_t, r, delta, k_scale, dov_scale, b_ptrs, offs_m, offs
     s = (s + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0  # exact: |s| < 2**22
     t = row_t * k_scale  # rounded as the reference's row * col
     ok = (offs_n < NK)[:, None] & (offs_m < NQ)[None, :]
-    offset = (120.0 - 8.0 * r)[None, :]
-    x_scale = 1.0
-    if P_MODE == 0:  # Direct-P folds the product into its FMA and a bias into its offset
+    if HAS_BIAS:
+        x = tl.fma(s, t[None, :], tl.load(b_ptrs, mask=ok, other=0.0))
+        x_scale = 1.0
+    elif P_MODE == 0:  # Direct-P folds the product into its FMA (reference.log2_scores)
         x = s
         x_scale = t[None, :]
-        if HAS_BIAS:
-            offset = tl.fma(tl.load(b_ptrs, mask=ok, other=0.0), 8.0, offset)  # formats.direct_p_codes
-    elif HAS_BIAS:
-        x = tl.fma(s, t[None, :], tl.load(b_ptrs, mask=ok, other=0.0))
     else:
         x = s * t[None, :]
+        x_scale = 1.0
     if CAUSAL:  # formats.visible
         ok = ok & (offs_n[:, None] <= offs_m[None, :] + DIAGONAL)
         if WINDOWED:
             ok = ok & (offs_n[:, None] > offs_m[None, :] + (DIAGONAL - WINDOW))
     x = tl.where(ok, x, float("-inf"))
-    p = _probability_t(x, x_scale, r, offset, P_MODE, EMULATE, BLOCK_N, BLOCK_M)
+    p = _probability_t(x, x_scale, r, P_MODE, EMULATE, BLOCK_N, BLOCK_M)
 
     if MIXED_F16:  # E4M3 x E5M2 products are exact in fp16 too (half the tensor-core rate)
         dp = tl.dot(v.to(tl.float16), tl.trans(do.to(tl.float16))) * dov_scale

@@ -76,19 +76,19 @@ def _row_sum_of_codes(code):
 
 
 @triton.jit
-def _probability(x, x_scale, m_new, offset, P_MODE: tl.constexpr, EMULATE: tl.constexpr, BLOCK_M: tl.constexpr,
+def _probability(x, x_scale, m_new, P_MODE: tl.constexpr, EMULATE: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr):
-    """E4M3 P operand of one key tile and its row sum (of the same E4M3 values).  Direct-P
-    takes x = s, the integer scores, with x_scale = t / 32 (the product folded into its
-    FFMA, unrounded) and ``offset`` = c / 256 (``_direct_p_offset``); the other modes take
-    the log2 scores x (x_scale and offset unused)."""
+    """E4M3 P operand of one key tile and its row sum (of the same E4M3 values).  The log2
+    scores are x * x_scale * 32: Direct-P takes x = s, the integer scores, with
+    x_scale = t / 32 (the product folded into its FFMA, unrounded), or the log2 scores
+    with x_scale = 1 / 32; the other modes take the log2 scores (x_scale unused)."""
     if P_MODE == 0:
-        # Direct-P: code = rne(clamp(8 s t + c, 0, 126)), c = fl(8 b + 120 - 8 m).
-        # Computed as z = sat(s t / 32 + c / 256) = fl(8 s t + c) / 256 (power-of-two
+        # Direct-P: code = rne(clamp(8 x + 120 - 8 m, 0, 126)).  Computed as
+        # z = sat(x / 32 + (120 - 8 m) / 256) = fl(8 x + 120 - 8 m) / 256 (power-of-two
         # scaling commutes with rounding), the clamp being the FFMA's saturation (x <= m
         # keeps z <= 120 / 256, so only 0 can bind).  z + 2**15 rounds z * 256 to the
         # nearest integer, ties to even, into the low mantissa byte: the code.
-        z = _fma_sat(x, x_scale, offset, EMULATE)
+        z = _fma_sat(x, x_scale, ((120.0 - 8.0 * m_new) * 0.00390625)[:, None], EMULATE)
         bits = (z + 32768.0).to(tl.int32, bitcast=True)
         if EMULATE:
             p = e4m3_code_value(bits)
@@ -185,17 +185,6 @@ def _unpermute_p(p, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _direct_p_offset(m, bias):
-    """Direct-P's c / 256 (formats.direct_p_codes) of rows' references m [rows], and of a
-    bias tile: fl(b / 32 + (120 - 8 m) / 256), one rounding, as the reference's."""
-    row = ((120.0 - 8.0 * m) * 0.00390625)[:, None]
-    if bias is None:
-        return row
-    else:
-        return tl.fma(bias, 0.03125, row)
-
-
-@triton.jit
 def _update(
     acc, l_i, m_i, s, v, start_n, row_t, ks_ptr, b_ptrs, offs_m, offs_key, NK, DIAGONAL, WINDOW, stride_bn,
     P_MODE: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, BIAS_MODE: tl.constexpr,
@@ -217,7 +206,6 @@ def _update(
             ok = ok & (keys <= offs_m[:, None] + DIAGONAL)
             if WINDOWED:
                 ok = ok & (keys > offs_m[:, None] + (DIAGONAL - WINDOW))
-    bias = None
     if P_MODE == 0 and BIAS_MODE == 0:
         # Direct-P without a bias never forms x = s t: its FFMA takes the product
         # unrounded (reference.log2_scores), and the row maximum of x is the rounded
@@ -226,6 +214,7 @@ def _update(
             s = tl.where(ok, s, float("-inf"))
         s_max = tl.reduce(s, 1, max_propagate_nan)
         x_max = tl.where(s_max == float("-inf"), s_max, mul_rn(s_max, t, EMULATE))
+        x, x_scale = s, (t * 0.03125)[:, None]
     else:
         if BIAS_MODE == 0:
             # mul_rn: x is rounded on its own, as in the reference; a plain multiply may be
@@ -246,18 +235,14 @@ def _update(
         if MASKED:
             x = tl.where(ok, x, float("-inf"))
         x_max = tl.reduce(x, 1, max_propagate_nan)
+        x_scale = 0.03125
     m_new = tl.maximum(m_i, tl.math.ceil(x_max), propagate_nan=tl.PropagateNan.ALL)
     # Rows still fully masked keep m = -inf and alpha = 1; NaN rows stay NaN.
     alpha = tl.where(m_new == m_i, 1.0, tl.math.exp2(m_i - m_new))
     # A row with no visible key yet (a window or offset hides the tile from it) has P = 0
     # whatever its reference: 0 instead of -inf keeps x - m from NaN, as the reference's.
-    m_p = tl.where(m_new == float("-inf"), 0.0, m_new)
-    x_scale, offset = 0.03125, 0.0  # read by Direct-P only
-    if P_MODE == 0:  # the product unrounded, a bias in the offset (formats.direct_p_codes)
-        if MASKED and BIAS_MODE != 0:
-            s = tl.where(ok, s, float("-inf"))
-        x, x_scale, offset = s, (t * 0.03125)[:, None], _direct_p_offset(m_p, bias)
-    p, l_tile = _probability(x, x_scale, m_p, offset, P_MODE, EMULATE, BLOCK_M, BLOCK_N)
+    p, l_tile = _probability(x, x_scale, tl.where(m_new == float("-inf"), 0.0, m_new), P_MODE, EMULATE,
+                             BLOCK_M, BLOCK_N)
     if PERM_P:
         p = _unpermute_p(p, BLOCK_M, BLOCK_N)
     if EMULATE:
