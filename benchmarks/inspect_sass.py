@@ -42,6 +42,7 @@ def compile_variant(d, p_mode, causal, bias_mode, block_m, warps, stages, maxnre
                     options=None, out_dtype="bf16", windowed=False):
     names = K._fwd_kernel.arg_names
     ptr_types = {"Q": "*i8", "K": "*i8", "VT": "*fp8e4nv", "QS": "*fp32", "KS": "*fp32", "VS": "*fp32",
+                 "RANGES": "*i32",
                  "BIAS": "*fp32", "OUT": f"*{out_dtype}", "LSE": "*fp32", "ROW_REF": "*fp32"}
     head_dim = F.kernel_head_dim(d)
     tma = tma and head_dim == d  # padded head dims take the pointer path (the launcher's rule)

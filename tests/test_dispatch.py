@@ -103,9 +103,9 @@ def test_gluon_backward_failure_leaves_it_to_triton_once(hook, launch, n_args, w
 @pytest.mark.parametrize("shape,row_b,row_h", [((3, 1, 1, 40), 1, 0), ((1, 4, 1, 40), 0, 1), ((3, 4, 1, 40), 4, 1),
                                                ((1, 1, 1, 40), 1, 0)])
 def test_key_rows_index_the_bias_of_each_batch_and_head(shape, row_b, row_h):
-    """The Gluon forward's key-bias rows (``kernels/gluon/key_bias.py``): row
+    """The Gluon forward's key-bias rows (``kernels/triton/key_bias.py``): row
     ``batch * row_b + head * row_h`` is the bias every query of (batch, head) adds."""
-    from fp4_inductor.kernels.gluon import key_bias
+    from fp4_inductor.kernels.triton import key_bias
 
     b, h, nq, nk = 3, 4, 7, 40
     bias = torch.randn(shape).to(torch.bfloat16)

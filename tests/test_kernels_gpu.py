@@ -202,7 +202,7 @@ def test_gluon_structures(case, p_mode, d):
     _check(got, ref, p_mode, lse_tol=GLUON_LSE_TOL)
 
 
-# Key-padding biases in the Gluon kernel (kernels/gluon/key_bias.py): right and left
+# Key-padding biases in the Gluon kernel (kernels/triton/key_bias.py): right and left
 # padding with a batch row of no key, random keys masked (every tile an edge tile), and a
 # bias row of other values per head; causal on top, GQA.  A random bias row (std 2 in log2
 # units) gives tiles dominant keys, the fp8 row sums' weak spot (as the sink test below):
@@ -227,6 +227,18 @@ def test_gluon_key_bias(case, p_mode, d):
     got = _run_kernel(ops, bias, causal, p_mode, kernel="gluon")
     ref = R.attention_forward(*ops, bias, causal, p_mode, torch.float32)
     _check(got, ref, p_mode, lse_tol=GLUON_SINK_LSE_TOL if bias_kind == "keyrow" else GLUON_LSE_TOL)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("case", GLUON_KEY_BIAS, ids=lambda c: "b{}h{}kv{}q{}k{}-{}-{}".format(
+    *c[:6], "causal" if c[6] else "full"))
+def test_triton_key_bias(case, d):
+    """The Triton kernel on the same key-padding rows: it skips the wholly masked tiles
+    (``key_bias.tile_ranges``), the rows with no visible key included."""
+    b, h, hkv, nq, nk, bias_kind, causal = case
+    ops, bias = _inputs(b, h, hkv, nq, nk, d, "direct", bias_kind)
+    got = _run_kernel(ops, bias, causal, "direct")
+    _check(got, R.attention_forward(*ops, bias, causal, "direct", torch.float32), "direct")
 
 
 def test_dispatch_picks_gluon_where_it_applies():

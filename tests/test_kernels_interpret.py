@@ -77,6 +77,8 @@ def test_triton_backward_matches_reference(shape, p_mode, causal, extra, fresh_s
 
 FORWARD_CASES = [
     ((2, 2, 2, 70, 300, 72, "keypad"), "direct", False, {}),
+    ((3, 2, 1, 200, 700, 64, "leftpad"), "direct", True, {}),  # skipped tiles, a row of no key
+    ((3, 2, 2, 150, 600, 64, "rightpad"), "exp", False, {}),
     ((1, 2, 1, 300, 130, 32, None), "direct", True, {"diagonal": -170}),
     ((1, 2, 1, 260, 400, 96, None), "direct", True, {"diagonal": 140, "window": 150}),
     ((1, 2, 1, 100, 300, 160, "dense"), "exp", True, {"window": 37}),
@@ -307,7 +309,7 @@ def test_triton_kernels_at_every_head_dim(fresh_seed):
 TILE_RANGES_SCRIPT = """
 import math, torch
 from fp4_inductor.formats import MASKED_LOG2
-from fp4_inductor.kernels.gluon import key_bias
+from fp4_inductor.kernels.triton import key_bias
 from triton.runtime.interpreter import InterpretedFunction
 assert isinstance(key_bias._tile_ranges, InterpretedFunction), "not interpreted"
 torch.manual_seed({seed})
@@ -346,7 +348,7 @@ assert got[0].tolist() == [0, 6, 0, 5] and got[2].tolist()[:2] == [tiles, 0], go
 
 
 def test_key_bias_tile_ranges(fresh_seed):
-    """The Gluon forward's key-bias tile classes (kernels/gluon/key_bias.py) under the
+    """The Gluon forward's key-bias tile classes (kernels/triton/key_bias.py) under the
     interpreter: right and left padding, no key, a general bias row, NaN among masked keys,
     a zero run broken by a masked tile, -inf biases, a partial last tile."""
     _interpreted(TILE_RANGES_SCRIPT.format(seed=fresh_seed))

@@ -51,7 +51,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ... import formats as F
-from .key_bias import key_row_bias, key_rows, tile_ranges
+from ..triton.key_bias import key_row_bias, key_rows, tile_ranges
 
 BLOCK_N = F.KEY_TILE
 BM_WG = 64  # query rows per consumer warpgroup (two per program)

@@ -27,6 +27,7 @@ import triton.language as tl
 
 from ... import formats as F
 from .common import e2m1_round, e4m3_code_value, e4m3_round, max_propagate_nan, mul_rn
+from .key_bias import key_rows, tile_ranges
 
 _P_MODE_ID = {"direct": 0, "exp": 1, "fp4": 2}
 BLOCK_N = F.KEY_TILE  # one K scale per key tile: the tile must be the scale block
@@ -307,12 +308,12 @@ def _tile_range(m0, NK, DIAGONAL, WINDOW, CAUSAL: tl.constexpr, WINDOWED: tl.con
 # on their divisibility would only multiply compiled variants.
 _NO_SPECIALIZE = ["stride_vb", "stride_vh", "stride_vd", "stride_qsb", "stride_qsh", "stride_ksb", "stride_ksh",
                   "stride_vsb", "stride_vsh", "stride_bb", "stride_bh", "stride_bm", "stride_lb", "stride_lh",
-                  "H", "GROUP", "NQ", "NK", "N_BUCKET", "DIAGONAL", "WINDOW"]
+                  "range_b", "range_h", "H", "GROUP", "NQ", "NK", "N_BUCKET", "DIAGONAL", "WINDOW"]
 
 
 @triton.jit(do_not_specialize=_NO_SPECIALIZE)
 def _fwd_kernel(
-    Q, K, VT, QS, KS, VS, BIAS, OUT, LSE, ROW_REF,
+    Q, K, VT, QS, KS, VS, BIAS, RANGES, OUT, LSE, ROW_REF,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vd, stride_vn,
@@ -321,7 +322,7 @@ def _fwd_kernel(
     stride_vsb, stride_vsh,
     stride_bb, stride_bh, stride_bm, stride_bn,
     stride_ob, stride_oh, stride_om, stride_od,
-    stride_lb, stride_lh, stride_lm,
+    stride_lb, stride_lh, stride_lm, range_b, range_h,
     H, GROUP, NQ, NK, N_BUCKET, DIAGONAL, WINDOW,
     D_QK: tl.constexpr, D_V: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -373,6 +374,15 @@ def _fwd_kernel(
     # window's and the diagonal's bands, the tail) do; tiles outside [lo, hi) are skipped.
     lo, full_lo, full_hi, hi = _tile_range(pid_m * BLOCK_M, NK, DIAGONAL, WINDOW, CAUSAL, WINDOWED, BLOCK_M,
                                            BLOCK_N)
+    if BIAS_MODE == 1:
+        # A key-row bias: tiles whose keys it masks all (key_bias.tile_ranges) hold no
+        # probability and move no row's final maximum, so they are skipped; a row left
+        # with none is a row with no visible key, as in the reference.
+        ranges = RANGES + (b * range_b + h * range_h) * 4
+        hi = tl.minimum(hi, tl.load(ranges + 1) * BLOCK_N)
+        lo = tl.minimum(tl.maximum(lo, tl.load(ranges) * BLOCK_N), hi)
+        full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
+        full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
     acc, l_i, m_i = _attend(acc, l_i, m_i, q, row_t, K, VT, k_ptrs, v_ptrs, b_ptrs, ks_ptr, b, hk,
                             offs_m, offs_key, offs_d, offs_dv, lo, full_lo, NK, DIAGONAL, WINDOW, stride_kn,
                             stride_vn, stride_bn, P_MODE, CAUSAL, WINDOWED, BIAS_MODE, True, USE_TMA, PERM_P,
@@ -506,10 +516,14 @@ def attention_forward(q, k, v_t, q_scale, k_scale, v_scale, bias, causal, p_mode
     q_scale, k_scale, v_scale = (s.float() for s in (q_scale, k_scale, v_scale))
 
     bias_mode, bias_strides, bias_arg = 0, (0, 0, 0, 0), q_scale  # bias_arg never read when mode 0
+    ranges, range_b, range_h = lse, 0, 0  # read in mode 1 only
     if bias is not None:
         bias_arg = bias.float().expand(b, h, nq, nk)
         bias_strides = bias_arg.stride()
         bias_mode = 1 if bias_strides[2] == 0 or nq == 1 else 2
+        if bias_mode == 1:  # one row per (batch, head): its wholly masked tiles are skipped
+            rows, range_b, range_h = key_rows(bias_arg, b, h, nq, nk)
+            ranges = tile_ranges(rows, BLOCK_N)
 
     emulate = _emulate()
     head_dim, head_dim_v = F.kernel_head_dim(d), F.kernel_head_dim(dv)
@@ -521,10 +535,10 @@ def attention_forward(q, k, v_t, q_scale, k_scale, v_scale, bias, causal, p_mode
         v_desc = _descriptor(v_t, (1, 1, dv, BLOCK_N))
     tma = k_desc is not None and v_desc is not None
     args = (
-        q, k_desc if tma else k, v_desc if tma else v_t, q_scale, k_scale, v_scale, bias_arg, out, lse, row_ref,
+        q, k_desc if tma else k, v_desc if tma else v_t, q_scale, k_scale, v_scale, bias_arg, ranges, out, lse, row_ref,
         *q.stride(), *k.stride(), *v_t.stride(),
         *q_scale.stride(), *k_scale.stride(), *v_scale.stride(),
-        *bias_strides, *out.stride(), *lse.stride(),
+        *bias_strides, *out.stride(), *lse.stride(), range_b, range_h,
         h, h // hkv, nq, nk, _n_bucket(max(nq, nk)), diagonal if causal else 0, window if causal else 0,
     )
     meta = dict(D_QK=d, D_V=dv, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_N=BLOCK_N,

@@ -1,7 +1,7 @@
-"""Key-padding biases for the Gluon forward: one log2 bias row per (batch, head), the same
-for every query (``formats.mask_to_log2_bias`` of a ``[B, Nk]`` key-padding vector, or
-any additive bias that does not vary over queries), and which of its key tiles the
-kernel may skip or run without the bias.
+"""Key-padding biases for the forward kernels: one log2 bias row per (batch, head), the
+same for every query (``formats.mask_to_log2_bias`` of a ``[B, Nk]`` key-padding vector,
+or any additive bias that does not vary over queries), and which of its key tiles a
+kernel may skip (both forwards) or run without the bias (the Gluon one).
 
 A padded batch row keeps one contiguous run of keys (right padding in training, left
 padding in generation), so its tiles are: wholly masked (skipped: every bias at or below
