@@ -229,12 +229,17 @@ def test_gluon_key_bias(case, p_mode, d):
     _check(got, ref, p_mode, lse_tol=GLUON_SINK_LSE_TOL if bias_kind == "keyrow" else GLUON_LSE_TOL)
 
 
+@pytest.mark.parametrize("skip", [False, True], ids=["all-tiles", "skipping"])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("case", GLUON_KEY_BIAS, ids=lambda c: "b{}h{}kv{}q{}k{}-{}-{}".format(
     *c[:6], "causal" if c[6] else "full"))
-def test_triton_key_bias(case, d):
-    """The Triton kernel on the same key-padding rows: it skips the wholly masked tiles
-    (``key_bias.tile_ranges``), the rows with no visible key included."""
+def test_triton_key_bias(case, d, skip, monkeypatch):
+    """The Triton kernel on the same key-padding rows, walking every tile and (the staged
+    switch) skipping the wholly masked ones (``key_bias.tile_ranges``), rows with no
+    visible key included."""
+    from fp4_inductor.kernels.triton import attention_fwd
+
+    monkeypatch.setattr(attention_fwd, "SKIP_MASKED_KEY_TILES", skip)
     b, h, hkv, nq, nk, bias_kind, causal = case
     ops, bias = _inputs(b, h, hkv, nq, nk, d, "direct", bias_kind)
     got = _run_kernel(ops, bias, causal, "direct")
