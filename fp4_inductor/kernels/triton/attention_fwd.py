@@ -522,7 +522,7 @@ def attention_forward(q, k, v_t, q_scale, k_scale, v_scale, bias, causal, p_mode
     q_scale, k_scale, v_scale = (s.float() for s in (q_scale, k_scale, v_scale))
 
     bias_mode, bias_strides, bias_arg = 0, (0, 0, 0, 0), q_scale  # bias_arg never read when mode 0
-    ranges, range_b, range_h = lse, 0, 0  # read in mode 1 only
+    ranges, range_b, range_h = lse, 0, 0  # read only when skipping a key-row bias's masked tiles
     if bias is not None:
         bias_arg = bias.float().expand(b, h, nq, nk)
         bias_strides = bias_arg.stride()
