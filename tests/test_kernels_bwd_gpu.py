@@ -39,6 +39,28 @@ def test_matches_reference(shape, p_mode, causal):
     check(ops, causal, p_mode, grads, dumps)
 
 
+# Key padding with whole tiles masked (a batch row of no key): the Triton kernels walking
+# every tile and, with the staged switch, skipping them (kernels/triton/key_bias.py).
+PADDED = [  # (B, H, Hkv, Nq, Nk, D, bias, causal, diagonal)
+    (3, 4, 2, 700, 1296, 128, "rightpad", False, 0),
+    (3, 4, 2, 1024, 1024, 64, "rightpad", True, 0),
+    (2, 4, 1, 300, 2064, 128, "leftpad", True, 1764),
+]
+
+
+@pytest.mark.parametrize("skip", [False, True], ids=["all-tiles", "skipping"])
+@pytest.mark.parametrize("case", PADDED, ids=lambda c: "b{}h{}kv{}q{}k{}d{}-{}-{}".format(
+    *c[:7], "causal" if c[7] else "full"))
+def test_key_padding_tiles(case, skip, monkeypatch):
+    from fp4_inductor.kernels.triton import key_bias
+
+    monkeypatch.setattr(key_bias, "TRITON_SKIPS_MASKED_TILES", skip)
+    b, h, hkv, nq, nk, d, bias_kind, causal, diagonal = case
+    ops = operands(b, h, hkv, nq, nk, d, "direct", causal, bias_kind, diagonal=diagonal)
+    grads, dumps = run(ops, causal, "direct", diagonal=diagonal)
+    check(ops, causal, "direct", grads, dumps, diagonal=diagonal)
+
+
 STRUCTURES = [  # (B, H, Hkv, Nq, Nk, D, Dv, bias, diagonal, window): as the forward's tests
     (1, 4, 2, 300, 1000, 80, None, "keypad", 700, 0),
     (1, 4, 2, 1000, 1000, 64, None, None, 0, 256),

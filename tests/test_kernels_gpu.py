@@ -237,9 +237,9 @@ def test_triton_key_bias(case, d, skip, monkeypatch):
     """The Triton kernel on the same key-padding rows, walking every tile and (the staged
     switch) skipping the wholly masked ones (``key_bias.tile_ranges``), rows with no
     visible key included."""
-    from fp4_inductor.kernels.triton import attention_fwd
+    from fp4_inductor.kernels.triton import key_bias
 
-    monkeypatch.setattr(attention_fwd, "SKIP_MASKED_KEY_TILES", skip)
+    monkeypatch.setattr(key_bias, "TRITON_SKIPS_MASKED_TILES", skip)
     b, h, hkv, nq, nk, bias_kind, causal = case
     ops, bias = _inputs(b, h, hkv, nq, nk, d, "direct", bias_kind)
     got = _run_kernel(ops, bias, causal, "direct")

@@ -38,20 +38,24 @@ CASES = [
     ((1, 2, 1, 140, 330, 80, None), "direct", True, {"diagonal": 190, "window": 150}),
     ((1, 2, 1, 300, 130, 40, "keypad"), "direct", True, {"diagonal": -170}),
     ((1, 1, 1, 65, 130, 192, None), "direct", False, {"dv": 128}),
+    ((3, 2, 1, 200, 520, 64, "leftpad"), "direct", True, {"diagonal": 320}),  # whole masked tiles
 ]
 
 SCRIPT = """
 import sys, torch
 from bwd_checks import check, operands, run
-from fp4_inductor.kernels.triton import attention_bwd
+from fp4_inductor.kernels.triton import attention_bwd, key_bias
 from triton.runtime.interpreter import InterpretedFunction
 assert isinstance(attention_bwd._bwd_dkdv_kernel, InterpretedFunction), "not interpreted"
 torch.manual_seed({seed})
 extra = {extra!r}
 structure = {{k: extra[k] for k in ("diagonal", "window") if k in extra}}
 ops = operands(*{shape}[:6], {p_mode!r}, {causal}, {shape}[6], dv=extra.get("dv"), **structure)
-grads, dumps = run(ops, {causal}, {p_mode!r}, device="cpu", **structure)
-check(ops, {causal}, {p_mode!r}, grads, dumps, **structure)
+# Key padding also with the staged skipping of its wholly masked tiles.
+for skip in (False, True) if {shape}[6] in ("leftpad", "rightpad") else (False,):
+    key_bias.TRITON_SKIPS_MASKED_TILES = skip
+    grads, dumps = run(ops, {causal}, {p_mode!r}, device="cpu", **structure)
+    check(ops, {causal}, {p_mode!r}, grads, dumps, **structure)
 """
 
 
@@ -104,7 +108,7 @@ lse, row_ref = (torch.full((b, h, nq), float("nan")) for _ in range(2))
 ref_o, ref_l, ref_r = R.attention_forward(*ops, bias, causal, p_mode, torch.float32, **structure)
 # Key-padding rows also with the staged skipping of their wholly masked tiles.
 for skip in (False, True) if bias_kind in ("keypad", "leftpad", "rightpad") else (False,):
-    attention_fwd.SKIP_MASKED_KEY_TILES = skip
+    attention_fwd.key_bias.TRITON_SKIPS_MASKED_TILES = skip
     out.fill_(float("nan"))
     lse.fill_(float("nan"))
     row_ref.fill_(float("nan"))

@@ -96,7 +96,7 @@ def fa4_peer(q, k, v, causal, window, keep):
 
 
 def _skipping(launch):
-    with mock.patch.object(A, "SKIP_MASKED_KEY_TILES", True):
+    with mock.patch.object(A.key_bias, "TRITON_SKIPS_MASKED_TILES", True):
         return launch()
 
 

@@ -56,6 +56,7 @@ import triton
 import triton.language as tl
 
 from ... import formats as F
+from . import key_bias
 from .common import e2m1_round, e4m3_code_value, e4m3_round, max_propagate_nan, mul_rn
 
 _P_MODE_ID = {"direct": 0, "exp": 1, "fp4": 2}
@@ -175,7 +176,7 @@ _NO_SPECIALIZE = ["stride_dsb", "stride_dsh", "stride_dlb", "stride_dlh", "strid
                   "stride_vsb", "stride_vsh", "stride_qesb", "stride_qesh", "stride_qesm",
                   "stride_kesb", "stride_kesh", "stride_kesn", "stride_rb", "stride_rh", "stride_rm",
                   "stride_bb", "stride_bh", "stride_bm", "stride_bn", "H", "HKV", "GROUP", "NQ", "NK",
-                  "DIAGONAL", "WINDOW"]
+                  "DIAGONAL", "WINDOW", "range_b", "range_h"]
 
 
 @triton.jit
@@ -217,7 +218,7 @@ def _store_rows(X, b, h, offs, n_ok, stride_b, stride_h, stride_n, stride_d, val
 
 @triton.jit(do_not_specialize=_NO_SPECIALIZE)
 def _bwd_dkdv_kernel(
-    DO, DOT, DOS, DELTA, Q, K, V, QS, KS, VS, QET, QES, BIAS, ROW_REF, DK, DV, DBG_P, DBG_DP,
+    DO, DOT, DOS, DELTA, Q, K, V, QS, KS, VS, QET, QES, BIAS, RANGES, ROW_REF, DK, DV, DBG_P, DBG_DP,
     stride_dob, stride_doh, stride_dom, stride_dod,
     stride_dtb, stride_dth, stride_dtd, stride_dtm,
     stride_dsb, stride_dsh,
@@ -234,11 +235,11 @@ def _bwd_dkdv_kernel(
     stride_rb, stride_rh, stride_rm,
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
-    H, HKV, GROUP, NQ, NK, DIAGONAL, WINDOW,
+    range_b, range_h, H, HKV, GROUP, NQ, NK, DIAGONAL, WINDOW,
     D_QK: tl.constexpr, D_V: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     P_MODE: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, HAS_BIAS: tl.constexpr,
-    EMULATE: tl.constexpr, DEBUG: tl.constexpr, MIXED_F16: tl.constexpr = False,
+    EMULATE: tl.constexpr, DEBUG: tl.constexpr, SKIP_MASKED: tl.constexpr, MIXED_F16: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)  # causal: low key tiles see the most queries and go first
     bhk = tl.program_id(1)
@@ -271,7 +272,11 @@ def _bwd_dkdv_kernel(
         h = hk * GROUP + g
         do_scale = tl.load(DOS + b * stride_dsb + h * stride_dsh)
         dov_scale = do_scale * v_scale
-        for start_m in range(lo, hi, BLOCK_M):
+        hi_h = hi
+        if SKIP_MASKED:  # a key tile a key-row bias masks wholly: P = 0, no dK or dV from this head
+            ranges = RANGES + (b * range_b + h * range_h) * 4
+            hi_h = tl.where((pid_n >= tl.load(ranges)) & (pid_n < tl.load(ranges + 1)), hi, lo)
+        for start_m in range(lo, hi_h, BLOCK_M):
             offs_m = start_m + offs_mb
             m_ok = offs_m < NQ
             q = _rows(Q, b, h, offs_m, m_ok, stride_qb, stride_qh, stride_qm, stride_qd, D_QK, HEAD_DIM, 0)
@@ -310,7 +315,7 @@ def _bwd_dkdv_kernel(
 
 @triton.jit(do_not_specialize=_NO_SPECIALIZE)
 def _bwd_dq_kernel(
-    DO, DOS, DELTA, Q, K, V, QS, KS, VS, KET, KES, BIAS, ROW_REF, DQ, DBG_DS,
+    DO, DOS, DELTA, Q, K, V, QS, KS, VS, KET, KES, BIAS, RANGES, ROW_REF, DQ, DBG_DS,
     stride_dob, stride_doh, stride_dom, stride_dod,
     stride_dsb, stride_dsh,
     stride_dlb, stride_dlh, stride_dlm,
@@ -325,11 +330,11 @@ def _bwd_dq_kernel(
     stride_bb, stride_bh, stride_bm, stride_bn,
     stride_rb, stride_rh, stride_rm,
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
-    H, HKV, GROUP, NQ, NK, DIAGONAL, WINDOW,
+    range_b, range_h, H, HKV, GROUP, NQ, NK, DIAGONAL, WINDOW,
     D_QK: tl.constexpr, D_V: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     P_MODE: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, HAS_BIAS: tl.constexpr,
-    EMULATE: tl.constexpr, DEBUG: tl.constexpr, MIXED_F16: tl.constexpr = False,
+    EMULATE: tl.constexpr, DEBUG: tl.constexpr, SKIP_MASKED: tl.constexpr, MIXED_F16: tl.constexpr = False,
 ):
     # Causal: the last query tiles walk the most key tiles; launch them first.
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0) if CAUSAL else tl.program_id(0)
@@ -361,6 +366,10 @@ def _bwd_dq_kernel(
         hi = tl.minimum(NK, tl.maximum(start_m + BLOCK_M + DIAGONAL, 0))
         if WINDOWED:
             lo = (tl.maximum(start_m + 1 + DIAGONAL - WINDOW, 0) // BLOCK_N) * BLOCK_N
+    if SKIP_MASKED:  # the key tiles a key-row bias masks wholly hold dS = 0
+        ranges = RANGES + (b * range_b + h * range_h) * 4
+        hi = tl.minimum(hi, tl.load(ranges + 1) * BLOCK_N)
+        lo = tl.minimum(tl.maximum(lo, tl.load(ranges) * BLOCK_N), hi)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_nb
         n_ok = offs_n < NK
@@ -511,9 +520,14 @@ def attention_backward(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale
 
     has_bias = bias is not None
     bias_arg, bias_strides = row_ref, (0, 0, 0, 0)  # never read without a bias
+    ranges, range_b, range_h = row_ref, 0, 0  # read only when skipping a key-row bias's masked tiles
     if has_bias:
         bias_arg = bias.float().expand(b, h, nq, nk)
         bias_strides = bias_arg.stride()
+    skip = has_bias and (bias_strides[2] == 0 or nq == 1) and key_bias.TRITON_SKIPS_MASKED_TILES
+    if skip:
+        rows, range_b, range_h = key_bias.key_rows(bias_arg, b, h, nq, nk)
+        ranges = key_bias.tile_ranges(rows, BLOCK_N)
     dbg = debug if debug is not None else (row_ref,) * 3
     if debug is not None:
         assert len(debug) == 3 and all(t.is_contiguous() and t.shape == (b, h, nq, nk) and t.dtype == torch.float32
@@ -522,7 +536,7 @@ def attention_backward(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale
     consts = dict(D_QK=d, D_V=dv_dim, HEAD_DIM=F.kernel_head_dim(d), HEAD_DIM_V=F.kernel_head_dim(dv_dim),
                   BLOCK_N=BLOCK_N, P_MODE=_P_MODE_ID[p_mode], CAUSAL=bool(causal),
                   WINDOWED=bool(causal and window), HAS_BIAS=has_bias, EMULATE=emulate, DEBUG=debug is not None,
-                  **OPTIONS)
+                  SKIP_MASKED=skip, **OPTIONS)
     structure = (diagonal if causal else 0, window if causal else 0)
     consts.update(options or {})
     cfg = dict(CONFIG, **(config or {}))
@@ -534,12 +548,12 @@ def attention_backward(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale
                             causal, dk, dv)):
         warps, stages = cfg["dkdv"]
         _bwd_dkdv_kernel[(triton.cdiv(nk, BLOCK_N), b * hkv)](
-            do, do_t, do_scale, delta, q, k, v, q_scale, k_scale, v_scale, qe_t, qe_scale, bias_arg, row_ref, dk, dv,
-            dbg[0], dbg[1],
+            do, do_t, do_scale, delta, q, k, v, q_scale, k_scale, v_scale, qe_t, qe_scale, bias_arg, ranges, row_ref,
+            dk, dv, dbg[0], dbg[1],
             *do.stride(), *do_t.stride(), *do_scale.stride(), *delta.stride(), *q.stride(), *k.stride(), *v.stride(),
             *q_scale.stride(), *k_scale.stride(), *v_scale.stride(), *qe_t.stride(), *qe_scale.stride(),
             *common_tail, *dk.stride(), *dv.stride(),
-            h, hkv, h // hkv, nq, nk, *structure, BLOCK_M=F.ds_block_dk(d)[0], **consts,
+            range_b, range_h, h, hkv, h // hkv, nq, nk, *structure, BLOCK_M=F.ds_block_dk(d)[0], **consts,
             num_warps=warps, num_stages=stages,
         )
 
@@ -548,9 +562,10 @@ def attention_backward(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale
         return
     warps, stages = cfg["dq"]
     _bwd_dq_kernel[(triton.cdiv(nq, BLOCK_M_DQ), b * h)](
-        do, do_scale, delta, q, k, v, q_scale, k_scale, v_scale, ke_t, ke_scale, bias_arg, row_ref, dq, dbg[2],
+        do, do_scale, delta, q, k, v, q_scale, k_scale, v_scale, ke_t, ke_scale, bias_arg, ranges, row_ref, dq, dbg[2],
         *do.stride(), *do_scale.stride(), *delta.stride(), *q.stride(), *k.stride(), *v.stride(),
         *q_scale.stride(), *k_scale.stride(), *v_scale.stride(), *ke_t.stride(), *ke_scale.stride(),
         *common_tail, *dq.stride(),
-        h, hkv, h // hkv, nq, nk, *structure, BLOCK_M=BLOCK_M_DQ, **consts, num_warps=warps, num_stages=stages,
+        range_b, range_h, h, hkv, h // hkv, nq, nk, *structure, BLOCK_M=BLOCK_M_DQ, **consts, num_warps=warps,
+        num_stages=stages,
     )

@@ -27,7 +27,7 @@ import triton.language as tl
 
 from ... import formats as F
 from .common import e2m1_round, e4m3_code_value, e4m3_round, max_propagate_nan, mul_rn
-from .key_bias import key_rows, tile_ranges
+from . import key_bias
 
 _P_MODE_ID = {"direct": 0, "exp": 1, "fp4": 2}
 BLOCK_N = F.KEY_TILE  # one K scale per key tile: the tile must be the scale block
@@ -480,12 +480,6 @@ PERM_P = True
 OPTIONS = dict(PV_SPLIT=True, CVT_I2F=True)
 
 
-# Skip the key tiles a key-row bias masks wholly (key_bias.tile_ranges): exact (tested
-# under the interpreter) and compiled for sm_90 with the unmasked loop unchanged, but off
-# until the GPU tests and a timing have run on the H200 (docs/perf-notes.md).
-SKIP_MASKED_KEY_TILES = False
-
-
 def _emulate() -> bool:
     """Under TRITON_INTERPRET=1 (CPU) the PTX-only steps run as float32 arithmetic."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -527,9 +521,9 @@ def attention_forward(q, k, v_t, q_scale, k_scale, v_scale, bias, causal, p_mode
         bias_arg = bias.float().expand(b, h, nq, nk)
         bias_strides = bias_arg.stride()
         bias_mode = 1 if bias_strides[2] == 0 or nq == 1 else 2
-        if bias_mode == 1 and SKIP_MASKED_KEY_TILES:  # one row per (batch, head): skip its wholly masked tiles
-            rows, range_b, range_h = key_rows(bias_arg, b, h, nq, nk)
-            ranges = tile_ranges(rows, BLOCK_N)
+        if bias_mode == 1 and key_bias.TRITON_SKIPS_MASKED_TILES:  # one row per (batch, head)
+            rows, range_b, range_h = key_bias.key_rows(bias_arg, b, h, nq, nk)
+            ranges = key_bias.tile_ranges(rows, BLOCK_N)
 
     emulate = _emulate()
     head_dim, head_dim_v = F.kernel_head_dim(d), F.kernel_head_dim(dv)
@@ -550,7 +544,8 @@ def attention_forward(q, k, v_t, q_scale, k_scale, v_scale, bias, causal, p_mode
     meta = dict(D_QK=d, D_V=dv, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_N=BLOCK_N,
                 P_MODE=_P_MODE_ID[p_mode], CAUSAL=bool(causal), WINDOWED=bool(causal and window),
                 BIAS_MODE=bias_mode, USE_TMA=tma, PERM_P=perm, EMULATE=emulate, LIFT=F.p_lift(p_mode),
-                EMPTY_ROW=F.EMPTY_ROW_LOG2, SKIP_MASKED=bias_mode == 1 and SKIP_MASKED_KEY_TILES, **OPTIONS)
+                EMPTY_ROW=F.EMPTY_ROW_LOG2, SKIP_MASKED=bias_mode == 1 and key_bias.TRITON_SKIPS_MASKED_TILES,
+                **OPTIONS)
     meta.update(options or {})
     if config is None and _autotune_enabled():
         grid = lambda META: (triton.cdiv(nq, META["BLOCK_M"]), b * h)  # noqa: E731
