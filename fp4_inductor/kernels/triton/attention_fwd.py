@@ -26,8 +26,8 @@ import triton
 import triton.language as tl
 
 from ... import formats as F
-from .common import e2m1_round, e4m3_code_value, e4m3_round, max_propagate_nan, mul_rn
 from . import key_bias
+from .common import e2m1_round, e4m3_code_value, e4m3_round, max_propagate_nan, mul_rn
 
 _P_MODE_ID = {"direct": 0, "exp": 1, "fp4": 2}
 BLOCK_N = F.KEY_TILE  # one K scale per key tile: the tile must be the scale block
