@@ -367,9 +367,7 @@ def _bwd_dq_kernel(
         if WINDOWED:
             lo = (tl.maximum(start_m + 1 + DIAGONAL - WINDOW, 0) // BLOCK_N) * BLOCK_N
     if SKIP_MASKED:  # the key tiles a key-row bias masks wholly hold dS = 0
-        ranges = RANGES + (b * range_b + h * range_h) * 4
-        hi = tl.minimum(hi, tl.load(ranges + 1) * BLOCK_N)
-        lo = tl.minimum(tl.maximum(lo, tl.load(ranges) * BLOCK_N), hi)
+        lo, hi = key_bias.kept_keys(RANGES + (b * range_b + h * range_h) * 4, lo, hi, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_nb
         n_ok = offs_n < NK
@@ -520,14 +518,12 @@ def attention_backward(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale
 
     has_bias = bias is not None
     bias_arg, bias_strides = row_ref, (0, 0, 0, 0)  # never read without a bias
-    ranges, range_b, range_h = row_ref, 0, 0  # read only when skipping a key-row bias's masked tiles
+    skip = None
     if has_bias:
         bias_arg = bias.float().expand(b, h, nq, nk)
         bias_strides = bias_arg.stride()
-    skip = has_bias and (bias_strides[2] == 0 or nq == 1) and key_bias.TRITON_SKIPS_MASKED_TILES
-    if skip:
-        rows, range_b, range_h = key_bias.key_rows(bias_arg, b, h, nq, nk)
-        ranges = key_bias.tile_ranges(rows, BLOCK_N)
+        skip = key_bias.skip_ranges(bias_arg, b, h, nq, nk, BLOCK_N)
+    ranges, range_b, range_h = skip or (row_ref, 0, 0)  # row_ref: never read without skipping
     dbg = debug if debug is not None else (row_ref,) * 3
     if debug is not None:
         assert len(debug) == 3 and all(t.is_contiguous() and t.shape == (b, h, nq, nk) and t.dtype == torch.float32
@@ -536,7 +532,7 @@ def attention_backward(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale
     consts = dict(D_QK=d, D_V=dv_dim, HEAD_DIM=F.kernel_head_dim(d), HEAD_DIM_V=F.kernel_head_dim(dv_dim),
                   BLOCK_N=BLOCK_N, P_MODE=_P_MODE_ID[p_mode], CAUSAL=bool(causal),
                   WINDOWED=bool(causal and window), HAS_BIAS=has_bias, EMULATE=emulate, DEBUG=debug is not None,
-                  SKIP_MASKED=skip, **OPTIONS)
+                  SKIP_MASKED=skip is not None, **OPTIONS)
     structure = (diagonal if causal else 0, window if causal else 0)
     consts.update(options or {})
     cfg = dict(CONFIG, **(config or {}))

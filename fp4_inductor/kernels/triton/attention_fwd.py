@@ -374,13 +374,11 @@ def _fwd_kernel(
     # window's and the diagonal's bands, the tail) do; tiles outside [lo, hi) are skipped.
     lo, full_lo, full_hi, hi = _tile_range(pid_m * BLOCK_M, NK, DIAGONAL, WINDOW, CAUSAL, WINDOWED, BLOCK_M,
                                            BLOCK_N)
-    if BIAS_MODE == 1 and SKIP_MASKED:
+    if SKIP_MASKED:
         # A key-row bias: tiles whose keys it masks all (key_bias.tile_ranges) hold no
         # probability and move no row's final maximum, so they are skipped; a row left
         # with none is a row with no visible key, as in the reference.
-        ranges = RANGES + (b * range_b + h * range_h) * 4
-        hi = tl.minimum(hi, tl.load(ranges + 1) * BLOCK_N)
-        lo = tl.minimum(tl.maximum(lo, tl.load(ranges) * BLOCK_N), hi)
+        lo, hi = key_bias.kept_keys(RANGES + (b * range_b + h * range_h) * 4, lo, hi, BLOCK_N)
         full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
         full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
     acc, l_i, m_i = _attend(acc, l_i, m_i, q, row_t, K, VT, k_ptrs, v_ptrs, b_ptrs, ks_ptr, b, hk,
@@ -516,14 +514,13 @@ def attention_forward(q, k, v_t, q_scale, k_scale, v_scale, bias, causal, p_mode
     q_scale, k_scale, v_scale = (s.float() for s in (q_scale, k_scale, v_scale))
 
     bias_mode, bias_strides, bias_arg = 0, (0, 0, 0, 0), q_scale  # bias_arg never read when mode 0
-    ranges, range_b, range_h = lse, 0, 0  # read only when skipping a key-row bias's masked tiles
+    skip = None
     if bias is not None:
         bias_arg = bias.float().expand(b, h, nq, nk)
         bias_strides = bias_arg.stride()
         bias_mode = 1 if bias_strides[2] == 0 or nq == 1 else 2
-        if bias_mode == 1 and key_bias.TRITON_SKIPS_MASKED_TILES:  # one row per (batch, head)
-            rows, range_b, range_h = key_bias.key_rows(bias_arg, b, h, nq, nk)
-            ranges = key_bias.tile_ranges(rows, BLOCK_N)
+        skip = key_bias.skip_ranges(bias_arg, b, h, nq, nk, BLOCK_N)  # mode 1 only
+    ranges, range_b, range_h = skip or (lse, 0, 0)  # lse: never read without skipping
 
     emulate = _emulate()
     head_dim, head_dim_v = F.kernel_head_dim(d), F.kernel_head_dim(dv)
@@ -544,8 +541,7 @@ def attention_forward(q, k, v_t, q_scale, k_scale, v_scale, bias, causal, p_mode
     meta = dict(D_QK=d, D_V=dv, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_N=BLOCK_N,
                 P_MODE=_P_MODE_ID[p_mode], CAUSAL=bool(causal), WINDOWED=bool(causal and window),
                 BIAS_MODE=bias_mode, USE_TMA=tma, PERM_P=perm, EMULATE=emulate, LIFT=F.p_lift(p_mode),
-                EMPTY_ROW=F.EMPTY_ROW_LOG2, SKIP_MASKED=bias_mode == 1 and key_bias.TRITON_SKIPS_MASKED_TILES,
-                **OPTIONS)
+                EMPTY_ROW=F.EMPTY_ROW_LOG2, SKIP_MASKED=skip is not None, **OPTIONS)
     meta.update(options or {})
     if config is None and _autotune_enabled():
         grid = lambda META: (triton.cdiv(nq, META["BLOCK_M"]), b * h)  # noqa: E731

@@ -1,7 +1,8 @@
 """Key-padding biases for the forward kernels: one log2 bias row per (batch, head), the
 same for every query (``formats.mask_to_log2_bias`` of a ``[B, Nk]`` key-padding vector,
 or any additive bias that does not vary over queries), and which of its key tiles a
-kernel may skip (both forwards) or run without the bias (the Gluon one).
+kernel may skip (every forward and backward kernel; the Triton ones behind
+``TRITON_SKIPS_MASKED_TILES``) or run without the bias (the Gluon forward).
 
 A padded batch row keeps one contiguous run of keys (right padding in training, left
 padding in generation), so its tiles are: wholly masked (skipped: every bias at or below
@@ -79,6 +80,24 @@ def _tile_ranges(rows_ptr, out_ptr, NK, TILES, MASKED: tl.constexpr, BN: tl.cons
     z_hi = tl.where(n_zero == z_hi - z_lo, z_hi, z_lo)
     i = tl.arange(0, 4)
     tl.store(out_ptr + r * 4 + i, tl.where(i == 0, lo, tl.where(i == 1, hi, tl.where(i == 2, z_lo, z_hi))))
+
+
+def skip_ranges(bias: torch.Tensor, b: int, h: int, nq: int, nk: int, block_n: int):
+    """For the Triton kernels: ``(tile_ranges, row_b, row_h)`` of a key-row bias when they
+    skip its wholly masked tiles (``TRITON_SKIPS_MASKED_TILES``), else None."""
+    found = key_rows(bias, b, h, nq, nk) if TRITON_SKIPS_MASKED_TILES else None
+    if found is None:
+        return None
+    rows, row_b, row_h = found
+    return tile_ranges(rows, block_n), row_b, row_h
+
+
+@triton.jit
+def kept_keys(ranges, lo, hi, BLOCK_N: tl.constexpr):
+    """Keys [lo, hi) (lo a multiple of BLOCK_N) narrowed to the tiles that keep a key, from
+    a ``tile_ranges`` row at ``ranges``; empty (lo == hi) where none does."""
+    hi = tl.minimum(hi, tl.load(ranges + 1) * BLOCK_N)
+    return tl.minimum(tl.maximum(lo, tl.load(ranges) * BLOCK_N), hi), hi
 
 
 def tile_ranges(rows: torch.Tensor, block_n: int) -> torch.Tensor:
