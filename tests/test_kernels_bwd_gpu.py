@@ -40,7 +40,7 @@ def test_matches_reference(shape, p_mode, causal):
 
 
 # Key padding with whole tiles masked (a batch row of no key): the Triton kernels walking
-# every tile and, with the staged switch, skipping them (kernels/triton/key_bias.py).
+# every tile and skipping them (kernels/triton/key_bias.py).
 PADDED = [  # (B, H, Hkv, Nq, Nk, D, bias, causal, diagonal)
     (3, 4, 2, 700, 1296, 128, "rightpad", False, 0),
     (3, 4, 2, 1024, 1024, 64, "rightpad", True, 0),

@@ -234,8 +234,8 @@ def test_gluon_key_bias(case, p_mode, d):
 @pytest.mark.parametrize("case", GLUON_KEY_BIAS, ids=lambda c: "b{}h{}kv{}q{}k{}-{}-{}".format(
     *c[:6], "causal" if c[6] else "full"))
 def test_triton_key_bias(case, d, skip, monkeypatch):
-    """The Triton kernel on the same key-padding rows, walking every tile and (the staged
-    switch) skipping the wholly masked ones (``key_bias.tile_ranges``), rows with no
+    """The Triton kernel on the same key-padding rows, walking every tile and skipping
+    the wholly masked ones (``key_bias.tile_ranges``), rows with no
     visible key included."""
     from fp4_inductor.kernels.triton import key_bias
 

@@ -51,7 +51,7 @@ torch.manual_seed({seed})
 extra = {extra!r}
 structure = {{k: extra[k] for k in ("diagonal", "window") if k in extra}}
 ops = operands(*{shape}[:6], {p_mode!r}, {causal}, {shape}[6], dv=extra.get("dv"), **structure)
-# Key padding also with the staged skipping of its wholly masked tiles.
+# Key padding with and without the skipping of its wholly masked tiles.
 for skip in (False, True) if {shape}[6] in ("leftpad", "rightpad") else (False,):
     key_bias.TRITON_SKIPS_MASKED_TILES = skip
     grads, dumps = run(ops, {causal}, {p_mode!r}, device="cpu", **structure)
@@ -106,7 +106,7 @@ dv = ops[2].shape[-2]
 out = torch.full((b, nq, h, dv), float("nan")).transpose(1, 2)
 lse, row_ref = (torch.full((b, h, nq), float("nan")) for _ in range(2))
 ref_o, ref_l, ref_r = R.attention_forward(*ops, bias, causal, p_mode, torch.float32, **structure)
-# Key-padding rows also with the staged skipping of their wholly masked tiles.
+# Key-padding rows with and without the skipping of their wholly masked tiles.
 for skip in (False, True) if bias_kind in ("keypad", "leftpad", "rightpad") else (False,):
     attention_fwd.key_bias.TRITON_SKIPS_MASKED_TILES = skip
     out.fill_(float("nan"))

@@ -119,21 +119,25 @@ def _probability_t(x, x_scale, r, P_MODE: tl.constexpr, EMULATE: tl.constexpr,
 
 
 @triton.jit
-def _tile(k, v, q, do, row_t, r, delta, k_scale, dov_scale, b_ptrs, offs_m, offs_n, NQ, NK, DIAGONAL, WINDOW,
-          P_MODE: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, HAS_BIAS: tl.constexpr,
+def _tile(k, v, q, do, row_t, r, delta, k_scale, dov_scale, bias, offs_m, offs_n, NQ, NK, DIAGONAL, WINDOW,
+          P_MODE: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, BIAS_MODE: tl.constexpr,
           EMULATE: tl.constexpr,
           MIXED_F16: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, PER_KEY: tl.constexpr):
     """One transposed tile: P^T and dS^T codes [keys, queries] and the dS scales, one per
     key ([keys], PER_KEY: the dK product's) or one per query ([queries]: the dQ product's).
 
     k, v: [keys, D] INT8 / E4M3; q, do: [queries, D] INT8 / E5M2; row_t = q_scale * log2e,
-    r (the forward's integer row reference), delta: [queries]; dov_scale = do_scale * v_scale."""
+    r (the forward's integer row reference), delta: [queries]; dov_scale = do_scale * v_scale;
+    bias: [keys] float32 (BIAS_MODE 1, a key-row bias) or the tile's pointers (2, dense)."""
     s = tl.dot(k, tl.trans(q), out_dtype=tl.int32)
     s = (s + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0  # exact: |s| < 2**22
     t = row_t * k_scale  # rounded as the reference's row * col
     ok = (offs_n < NK)[:, None] & (offs_m < NQ)[None, :]
-    if HAS_BIAS:
-        x = tl.fma(s, t[None, :], tl.load(b_ptrs, mask=ok, other=0.0))
+    if BIAS_MODE == 1:
+        x = tl.fma(s, t[None, :], bias[:, None])
+        x_scale = 1.0
+    elif BIAS_MODE == 2:
+        x = tl.fma(s, t[None, :], tl.load(bias, mask=ok, other=0.0))
         x_scale = 1.0
     elif P_MODE == 0:  # Direct-P folds the product into its FMA (reference.log2_scores)
         x = s
@@ -238,7 +242,7 @@ def _bwd_dkdv_kernel(
     range_b, range_h, H, HKV, GROUP, NQ, NK, DIAGONAL, WINDOW,
     D_QK: tl.constexpr, D_V: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    P_MODE: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, HAS_BIAS: tl.constexpr,
+    P_MODE: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, BIAS_MODE: tl.constexpr,
     EMULATE: tl.constexpr, DEBUG: tl.constexpr, SKIP_MASKED: tl.constexpr, MIXED_F16: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)  # causal: low key tiles see the most queries and go first
@@ -273,6 +277,9 @@ def _bwd_dkdv_kernel(
         do_scale = tl.load(DOS + b * stride_dsb + h * stride_dsh)
         dov_scale = do_scale * v_scale
         hi_h = hi
+        bias = BIAS + b * stride_bb + h * stride_bh
+        if BIAS_MODE == 1:  # this key tile's biases, the same for every query: loaded once
+            bias = tl.load(bias + offs_n * stride_bn, mask=n_ok, other=0.0)
         if SKIP_MASKED:  # a key tile a key-row bias masks wholly: P = 0, no dK or dV from this head
             ranges = RANGES + (b * range_b + h * range_h) * 4
             hi_h = tl.where((pid_n >= tl.load(ranges)) & (pid_n < tl.load(ranges + 1)), hi, lo)
@@ -285,11 +292,13 @@ def _bwd_dkdv_kernel(
                             other=0.0) * 1.4426950408889634
             r = tl.load(ROW_REF + b * stride_rb + h * stride_rh + offs_m * stride_rm, mask=m_ok, other=0.0)
             delta = tl.load(DELTA + b * stride_dlb + h * stride_dlh + offs_m * stride_dlm, mask=m_ok, other=0.0)
-            b_ptrs = BIAS + b * stride_bb + h * stride_bh + offs_m[None, :] * stride_bm + offs_n[:, None] * stride_bn
+            tile_bias = bias
+            if BIAS_MODE == 2:
+                tile_bias = bias + offs_m[None, :] * stride_bm + offs_n[:, None] * stride_bn
             if EMULATE:
                 do = do.to(tl.float32)
-            p, ds, ds_scale, dp = _tile(k, v, q, do, row_t, r, delta, k_scale, dov_scale, b_ptrs, offs_m, offs_n,
-                                        NQ, NK, DIAGONAL, WINDOW, P_MODE, CAUSAL, WINDOWED, HAS_BIAS, EMULATE,
+            p, ds, ds_scale, dp = _tile(k, v, q, do, row_t, r, delta, k_scale, dov_scale, tile_bias, offs_m, offs_n,
+                                        NQ, NK, DIAGONAL, WINDOW, P_MODE, CAUSAL, WINDOWED, BIAS_MODE, EMULATE,
                                         MIXED_F16, BLOCK_N, BLOCK_M, True)
 
             do_t = _columns(DOT, b, h, offs_m, m_ok, stride_dtb, stride_dth, stride_dtd, stride_dtm, D_V, HEAD_DIM_V)
@@ -333,7 +342,7 @@ def _bwd_dq_kernel(
     range_b, range_h, H, HKV, GROUP, NQ, NK, DIAGONAL, WINDOW,
     D_QK: tl.constexpr, D_V: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    P_MODE: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, HAS_BIAS: tl.constexpr,
+    P_MODE: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, BIAS_MODE: tl.constexpr,
     EMULATE: tl.constexpr, DEBUG: tl.constexpr, SKIP_MASKED: tl.constexpr, MIXED_F16: tl.constexpr = False,
 ):
     # Causal: the last query tiles walk the most key tiles; launch them first.
@@ -376,9 +385,13 @@ def _bwd_dq_kernel(
         if EMULATE:
             v = v.to(tl.float32)
         k_scale = tl.load(KS + b * stride_ksb + hk * stride_ksh + (start_n // BLOCK_N) * stride_ksn)
-        b_ptrs = BIAS + b * stride_bb + h * stride_bh + offs_m[None, :] * stride_bm + offs_n[:, None] * stride_bn
-        p, ds, ds_scale, dp = _tile(k, v, q, do, row_t, r, delta, k_scale, dov_scale, b_ptrs, offs_m, offs_n,
-                                    NQ, NK, DIAGONAL, WINDOW, P_MODE, CAUSAL, WINDOWED, HAS_BIAS, EMULATE,
+        bias = BIAS + b * stride_bb + h * stride_bh
+        if BIAS_MODE == 1:  # a key-row bias: the tile's keys only
+            bias = tl.load(bias + offs_n * stride_bn, mask=n_ok, other=0.0)
+        elif BIAS_MODE == 2:
+            bias = bias + offs_m[None, :] * stride_bm + offs_n[:, None] * stride_bn
+        p, ds, ds_scale, dp = _tile(k, v, q, do, row_t, r, delta, k_scale, dov_scale, bias, offs_m, offs_n,
+                                    NQ, NK, DIAGONAL, WINDOW, P_MODE, CAUSAL, WINDOWED, BIAS_MODE, EMULATE,
                                     MIXED_F16, BLOCK_N, BLOCK_M, False)
         ke_t = _columns(KET, b, hk, offs_n, n_ok, stride_ktb, stride_kth, stride_ktd, stride_ktn, D_QK, HEAD_DIM)
         if EMULATE:
@@ -516,13 +529,13 @@ def attention_backward(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale
     v = v_t.new_empty(b, hkv, nk, dv_dim)
     _transpose_all([(do, do_t), (qe, qe_t), (ke, ke_t), (v_t, v)])
 
-    has_bias = bias is not None
-    bias_arg, bias_strides = row_ref, (0, 0, 0, 0)  # never read without a bias
+    bias_mode, bias_arg, bias_strides = 0, row_ref, (0, 0, 0, 0)  # bias_arg never read when mode 0
     skip = None
-    if has_bias:
+    if bias is not None:
         bias_arg = bias.float().expand(b, h, nq, nk)
         bias_strides = bias_arg.stride()
-        skip = key_bias.skip_ranges(bias_arg, b, h, nq, nk, BLOCK_N)
+        bias_mode = 1 if bias_strides[2] == 0 or nq == 1 else 2  # as the forward's
+        skip = key_bias.skip_ranges(bias_arg, b, h, nq, nk, BLOCK_N)  # mode 1 only
     ranges, range_b, range_h = skip or (row_ref, 0, 0)  # row_ref: never read without skipping
     dbg = debug if debug is not None else (row_ref,) * 3
     if debug is not None:
@@ -531,7 +544,7 @@ def attention_backward(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale
     emulate = _emulate() if emulate is None else emulate
     consts = dict(D_QK=d, D_V=dv_dim, HEAD_DIM=F.kernel_head_dim(d), HEAD_DIM_V=F.kernel_head_dim(dv_dim),
                   BLOCK_N=BLOCK_N, P_MODE=_P_MODE_ID[p_mode], CAUSAL=bool(causal),
-                  WINDOWED=bool(causal and window), HAS_BIAS=has_bias, EMULATE=emulate, DEBUG=debug is not None,
+                  WINDOWED=bool(causal and window), BIAS_MODE=bias_mode, EMULATE=emulate, DEBUG=debug is not None,
                   SKIP_MASKED=skip is not None, **OPTIONS)
     structure = (diagonal if causal else 0, window if causal else 0)
     consts.update(options or {})

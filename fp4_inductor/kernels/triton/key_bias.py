@@ -22,10 +22,10 @@ import triton.language as tl
 from ... import formats as F
 
 TILES_PER_STEP = 16  # key tiles each step of _tile_ranges reads (2048 biases at 128 keys)
-# The Triton kernels (forward, dQ, dK/dV) skip the key tiles a key-row bias masks wholly:
-# exact (tested under the interpreter) and compiled for sm_90, but off until their GPU tests
-# and a timing have run on the H200 (docs/perf-notes.md).  The Gluon forward always skips.
-TRITON_SKIPS_MASKED_TILES = False
+# The Triton kernels (forward, dQ, dK/dV) skip the key tiles a key-row bias masks wholly
+# (exact; measured on the H200, docs/perf-notes.md).  A switch so that a benchmark or test
+# can run them over every tile; the Gluon forward always skips.
+TRITON_SKIPS_MASKED_TILES = True
 
 
 def key_rows(bias: torch.Tensor, b: int, h: int, nq: int, nk: int):
