@@ -112,7 +112,7 @@ def main():
     ap.add_argument("--causal", type=int, nargs="*", default=[0, 1])
     ap.add_argument("--no-tma", action="store_true")
     ap.add_argument("--windowed", action="store_true", help="causal variants with a sliding window")
-    ap.add_argument("--key-bias", action="store_true", help="Gluon forward: with a key-padding bias row")
+    ap.add_argument("--key-bias", action="store_true", help="Gluon kernels: with a key-padding bias row")
     ap.add_argument("--no-perm", action="store_true")
     ap.add_argument("--opt", nargs="*", default=[], help="NAME=0/1 kernel switches")
     ap.add_argument("--gluon", nargs="*", choices=sorted(GLUON), help="these Gluon kernels instead")
@@ -124,7 +124,7 @@ def main():
         for kernel, d, causal in itertools.product(args.gluon, args.d, args.causal):
             module = importlib.import_module(f"fp4_inductor.kernels.gluon.{GLUON[kernel]}")
             extra = {"windowed": True} if args.windowed and kernel == "fwd" and causal else {}
-            if args.key_bias and kernel == "fwd":
+            if args.key_bias:
                 extra["key_bias"] = True
             suffix = "".join(f"_{name}" for name in extra)
             report(f"gluon_{kernel}_d{d}_{'causal' if causal else 'full'}{suffix}",

@@ -118,3 +118,40 @@ def test_key_rows_index_the_bias_of_each_batch_and_head(shape, row_b, row_h):
     assert key_bias.key_rows(torch.randn(b, 1, nq, nk), b, h, nq, nk) is None  # varies over queries
     assert key_bias.key_rows(torch.randn(b, 1, 1, nk), b, h, 1, nk) is not None
     assert not key_bias.key_row_bias(torch.randn(b, 2, 1, nk), b, h, nq, nk)  # does not broadcast
+
+
+@pytest.mark.parametrize("staged", [False, True], ids=["off", "staged-on"])
+def test_gluon_backward_scope_and_key_bias(staged, monkeypatch):
+    """The Gluon dQ and dK/dV kernels take no bias, and a key-row bias only with their
+    staged ``KEY_BIAS`` on; a bias that varies over queries never (the Triton kernels)."""
+    DQ = pytest.importorskip("fp4_inductor.kernels.gluon.attention_bwd_dq")  # a Triton with Gluon
+    DKDV = pytest.importorskip("fp4_inductor.kernels.gluon.attention_bwd_dkdv")
+
+    monkeypatch.setattr(DQ, "KEY_BIAS", staged)
+    monkeypatch.setattr(DKDV, "KEY_BIAS", staged)
+    b, h, hkv, n, d = 2, 4, 2, 256, 128
+    e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
+    q, k = torch.empty(b, h, n, d, dtype=torch.int8), torch.empty(b, hkv, n, d, dtype=torch.int8)
+    v, do = torch.empty(b, hkv, n, d, dtype=e4m3), torch.empty(b, h, n, d, dtype=e5m2)
+    rows = [torch.empty(b, h, n) for _ in range(3)]  # q_scale, row_ref, delta
+    q_scale, row_ref, delta = rows
+    ke_t, qe_t, do_t = torch.empty(b, hkv, d, n, dtype=e4m3), torch.empty(b, h, d, n, dtype=e4m3), \
+        torch.empty(b, h, d, n, dtype=e5m2)
+    k_scale, ke_scale, qe_scale = torch.empty(b, hkv, n // 128), torch.empty(b, hkv, n // 128), \
+        torch.empty(b, h, n // 128)
+    do_scale, v_scale = torch.empty(b, h), torch.empty(b, hkv)
+    dq, dk, dv = torch.empty(b, h, n, d), torch.empty(b, hkv, n, d), torch.empty(b, hkv, n, d)
+    key_row = torch.zeros(b, 1, 1, n)
+    dense = torch.zeros(b, h, n, n)
+
+    def dq_takes(bias):
+        return DQ.supports(do, delta, q, k, v, q_scale, ke_t, k_scale, ke_scale, row_ref, bias, "direct", dq)
+
+    def dkdv_takes(bias):
+        return DKDV.supports(do, do_t, do_scale, delta, q, qe_t, qe_scale, k, v, q_scale, k_scale, v_scale, row_ref,
+                             True, dk, dv, bias, "direct")
+
+    for takes in (dq_takes, dkdv_takes):
+        assert takes(None)
+        assert takes(key_row) is staged
+        assert not takes(dense)

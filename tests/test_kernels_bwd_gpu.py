@@ -99,7 +99,7 @@ def run_through_gluon(ops, causal, what):
     used = []
 
     def gluon(*args):
-        used.append(getattr(kernels, f"_gluon_{what}")(*args, bias=None, p_mode="direct"))
+        used.append(getattr(kernels, f"_gluon_{what}")(*args, bias=ops[13], p_mode="direct"))
         return used[-1]
 
     with warnings.catch_warnings():
@@ -131,7 +131,11 @@ def test_gluon_dq_matches_triton_dq(shape, causal, monkeypatch):
 
     monkeypatch.setattr(kernels, "_gluon_failed", set())  # a failure elsewhere must not hide this one
 
-    ops = operands(*shape, "direct", causal)
+    check_gluon_dq(operands(*shape, "direct", causal), causal)
+
+
+def check_gluon_dq(ops, causal):
+    """The Gluon dQ against the Triton one on ``ops``, dK and dV untouched."""
     (dq_triton, dk, dv), _ = run(ops, causal, "direct", debug=False)
     dq, dk2, dv2 = run_through_gluon(ops, causal, "dq")
     assert not dq.isnan().any(), "unwritten dQ rows"
@@ -207,6 +211,32 @@ def test_lowp_attention_gradients_end_to_end(fmt, p_mode, max_rel_l2, min_cos, c
         assert cos >= min_cos, f"{name}: cosine {cos:.4f}"
 
 
+# Key-row biases through the staged Gluon dQ (``attention_bwd_dq.KEY_BIAS``): right and
+# left padding with rows of no key (its last batch row), random key padding, a random
+# per-head bias row (no zero run: every tile adds the bias).
+GLUON_DQ_KEY_BIAS = [  # (B, H, Hkv, Nq, Nk, D, bias, causal)
+    (3, 4, 2, 700, 1280, 128, "rightpad", False),
+    (3, 4, 2, 1024, 1024, 64, "rightpad", True),
+    (3, 4, 1, 300, 2048, 128, "leftpad", False),
+    (2, 4, 2, 512, 784, 64, "keypad", False),
+    (2, 4, 2, 640, 640, 128, "keyrow", True),
+]
+
+
+@pytest.mark.parametrize("case", GLUON_DQ_KEY_BIAS, ids=lambda c: "b{}h{}kv{}q{}k{}d{}-{}-{}".format(
+    *c[:7], "causal" if c[7] else "full"))
+def test_gluon_dq_key_bias(case, monkeypatch):
+    """The staged key-bias path of the Gluon dQ against the Triton dQ kernel, under the
+    bounds of ``test_gluon_dq_matches_triton_dq``."""
+    from fp4_inductor import kernels
+    from fp4_inductor.kernels.gluon import attention_bwd_dq
+
+    monkeypatch.setattr(kernels, "_gluon_failed", set())
+    monkeypatch.setattr(attention_bwd_dq, "KEY_BIAS", True)
+    *shape, bias_kind, causal = case
+    check_gluon_dq(operands(*shape, "direct", causal, bias_kind), causal)
+
+
 # The Gluon dK/dV kernel's scope (P mode direct, no bias): odd lengths both ways, causal
 # with more keys than queries (keys no query sees), GQA and MQA, B > 1, both head dims.
 GLUON_DKDV_SHAPES = [  # (B, H, Hkv, Nq, Nk, D)
@@ -230,13 +260,43 @@ def test_gluon_dkdv_matches_triton_dkdv(shape, causal, monkeypatch):
     from fp4_inductor import kernels
 
     monkeypatch.setattr(kernels, "_gluon_failed", set())  # a failure elsewhere must not hide this one
-    ops = operands(*shape, "direct", causal)
+    check_gluon_dkdv(operands(*shape, "direct", causal), causal)
+
+
+def check_gluon_dkdv(ops, causal):
+    """The Gluon dK/dV against the Triton kernels' on ``ops``."""
     (_, dk_triton, dv_triton), _ = run(ops, causal, "direct", debug=False)
     _, dk, dv = run_through_gluon(ops, causal, "dkdv")
     for name, got, want in (("dk", dk, dk_triton), ("dv", dv, dv_triton)):
         assert not got.isnan().any(), f"unwritten {name} rows"
         assert rel_l2(got, want) <= 1e-5, f"{name}: rel-L2 {rel_l2(got, want):.2e} against the Triton kernel"
         assert (got - want).abs().max() <= 1e-4 * want.abs().max(), f"{name}: max error"
+
+
+# Key-row biases through the staged Gluon dK/dV (``attention_bwd_dkdv.KEY_BIAS``): wholly
+# padded key tiles (programs that walk no query tile), rows of no key, random key padding,
+# and per-head bias rows in GQA groups (a tile kept by some heads of the group only).
+GLUON_DKDV_KEY_BIAS = [  # (B, H, Hkv, Nq, Nk, D, bias, causal)
+    (3, 4, 2, 700, 1296, 128, "rightpad", False),
+    (3, 4, 2, 1024, 1024, 64, "rightpad", True),
+    (3, 4, 1, 300, 2064, 64, "leftpad", False),
+    (2, 4, 2, 512, 784, 128, "keypad", False),
+    (2, 4, 2, 640, 640, 64, "keyrow", True),
+]
+
+
+@pytest.mark.parametrize("case", GLUON_DKDV_KEY_BIAS, ids=lambda c: "b{}h{}kv{}q{}k{}d{}-{}-{}".format(
+    *c[:7], "causal" if c[7] else "full"))
+def test_gluon_dkdv_key_bias(case, monkeypatch):
+    """The staged key-bias path of the Gluon dK/dV against the Triton kernel, under the
+    bounds of ``test_gluon_dkdv_matches_triton_dkdv`` (the same FMA of the same values)."""
+    from fp4_inductor import kernels
+    from fp4_inductor.kernels.gluon import attention_bwd_dkdv
+
+    monkeypatch.setattr(kernels, "_gluon_failed", set())
+    monkeypatch.setattr(attention_bwd_dkdv, "KEY_BIAS", True)
+    *shape, bias_kind, causal = case
+    check_gluon_dkdv(operands(*shape, "direct", causal, bias_kind), causal)
 
 
 @pytest.mark.parametrize("d", [64, 128])

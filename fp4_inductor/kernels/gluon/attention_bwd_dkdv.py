@@ -40,6 +40,11 @@ Scope (``supports``): P mode direct, no bias, D = 64 or 128.  K and V contiguous
 dO any layout (``_padded_rows`` copies them where they are not contiguous rows in whole
 tiles), token-major dOᵀ and Qeᵀ as the Triton launcher makes them; the per-query vectors
 are stacked by the launcher (``_row_vectors``), any layout.
+
+Staged, off (``KEY_BIAS``): a key-row bias (key padding).  A program whose keys every head
+of its group masks wholly (``key_bias.tile_ranges``) walks no query tile (dK = dV = 0);
+the others add each key's bias in the scores' FMA, as the Triton kernel does (a zero bias
+gives the reference's rounded product).  Compiled for sm_90, not yet run on a GPU.
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ... import formats as F
+from ..triton.key_bias import key_row_bias, key_rows, tile_ranges
 from .attention_bwd_dq import _ds_operand, _issue_s_dp, _permuted_rows, _rows, _tma_ready, _token_major_desc
 from .attention_fwd import (_LAUNCH, _REGS, _compile_sm90, _direct_p, _direct_p_bias, _key_order, _layout,
                             _p_operand, _ring_barriers, _store_rows, _tensor_desc, _wgmma_layout)
@@ -59,18 +65,26 @@ from .attention_fwd import (_LAUNCH, _REGS, _compile_sm90, _direct_p, _direct_p_
 BLOCK_N = F.KEY_TILE  # keys per program: one K scale block
 BN_LOAD = BLOCK_N // 2  # keys per K/V TMA load, two per program
 NUM_STAGES = 2
+# Key-row biases (module docstring): off until the GPU tests and a timing have run.
+KEY_BIAS = False
 
 
 @gluon.jit
-def _p_tile(start_m, s, keys, vecs, NQ, NK, ks, BM: gl.constexpr, CAUSAL: gl.constexpr, MASKED: gl.constexpr):
+def _p_tile(start_m, s, keys, vecs, NQ, NK, ks, key_bias, BM: gl.constexpr, CAUSAL: gl.constexpr,
+            MASKED: gl.constexpr, KEY_BIAS: gl.constexpr):
     """Pᵀ codes of the query tile at ``start_m`` from its scores and its row vectors in
     shared memory (``vecs``: q_scale·log2e, Direct-P bias, delta).  MASKED: keys past NK,
-    queries past NQ and (causal) keys after the query masked; else the tile is known whole."""
+    queries past NQ and (causal) keys after the query masked; else the tile is known whole.
+    KEY_BIAS: ``key_bias``, the keys' log2 biases, join the scores in one FMA."""
     col_layout: gl.constexpr = gl.SliceLayout(0, s.type.layout)
-    # t / 32 = rn(q_scale log2e * ks) / 32, the reference's row * col (a power of two
-    # commutes with the rounding): one multiply a column, folded into Direct-P's FFMA.
-    t32 = vecs[0].load(col_layout) * (ks * 0.03125)
-    x = s.to(gl.float32)
+    if KEY_BIAS:  # the log2 scores s t + bias, rounded once (the reference's), then Direct-P
+        x = gl.fma(s.to(gl.float32), (vecs[0].load(col_layout) * ks)[None, :], key_bias[:, None])
+        t32 = gl.full([BM], 0.03125, gl.float32, col_layout)
+    else:
+        # t / 32 = rn(q_scale log2e * ks) / 32, the reference's row * col (a power of two
+        # commutes with the rounding): one multiply a column, folded into Direct-P's FFMA.
+        t32 = vecs[0].load(col_layout) * (ks * 0.03125)
+        x = s.to(gl.float32)
     if MASKED:  # columns past NQ hold zeros: -inf * t32 = NaN there, which FFMA.SAT makes code 0
         cols = start_m + _key_order(BM, col_layout)
         live = (keys < NK)[:, None] & (cols < NQ)[None, :]
@@ -93,10 +107,10 @@ def _ds_tile(h, start_m, p8, dp, vecs, do_scale, qes_ptr, b, H, v_scale, stride_
 
 @gluon.jit
 def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
-              STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+              STAGES: gl.constexpr, CAUSAL: gl.constexpr, KEY_BIAS: gl.constexpr):
     """Consumer WG, of the program's keys WG·BN .. WG·BN + BN - 1."""
     dos_ptr, vs_ptr, qes_ptr, dk_ptr, dv_ptr, smem, bars, out_strides, stride_qes, ks, b, kv_head, H, GROUP, k0, \
-        j_lo, n_q, NQ, NK = args
+        j_lo, n_q, NQ, NK, bias_ptr, bias_rows = args
     k_smem, v_smem, q_bufs, do_bufs, dot_bufs, qet_bufs, row_bufs = smem
     kv_bar, q_ready, q_empty, t_ready, t_empty = bars
     nw: gl.constexpr = gl.num_warps()
@@ -141,11 +155,15 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BM: gl.constexpr, 
         whole = (start_m + BM <= NQ) & (last_key < NK)
         if CAUSAL:
             whole = whole & (last_key <= start_m)
+        key_bias = 0.0
+        if KEY_BIAS:  # the head's bias row at these keys (two a thread)
+            row = (b * bias_rows[0] + h * bias_rows[1]).to(gl.int64) * NK
+            key_bias = gl.load(bias_ptr + row + keys, mask=keys < NK, other=0.0)
         # An unmasked copy of Pᵀ for whole tiles: 6-11 % faster dK/dV (perf-notes).
         if whole:
-            p8 = _p_tile(start_m, s, keys, vecs, NQ, NK, ks, BM, CAUSAL, False)
+            p8 = _p_tile(start_m, s, keys, vecs, NQ, NK, ks, key_bias, BM, CAUSAL, False, KEY_BIAS)
         else:
-            p8 = _p_tile(start_m, s, keys, vecs, NQ, NK, ks, BM, CAUSAL, True)
+            p8 = _p_tile(start_m, s, keys, vecs, NQ, NK, ks, key_bias, BM, CAUSAL, True, KEY_BIAS)
         # dV's product in two column halves, the first under dSᵀ's work (module docstring).
         pa = _p_operand(p8, ha_layout, BN, BM)
         dot = dot_bufs.index(stage).reshape([HEAD_DIM, BM])
@@ -200,10 +218,10 @@ def _producer(args, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr):
 
 @gluon.jit
 def _dkdv_ws(k_desc, v_desc, q_desc, do_desc, dot_desc, qet_desc, row_desc, ks_ptr, vs_ptr,
-             dos_ptr, qes_ptr, dk_ptr, dv_ptr, stride_ob, stride_oh, stride_on, stride_od, stride_ksh, stride_qes,
-             H, HKV, NQ, NK, NQ_PAD,
+             dos_ptr, qes_ptr, dk_ptr, dv_ptr, bias_ptr, ranges_ptr, stride_ob, stride_oh, stride_on, stride_od,
+             stride_ksh, stride_qes, bias_row_b, bias_row_h, H, HKV, NQ, NK, NQ_PAD,
              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, CONSUMERS: gl.constexpr,
-             CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+             KEY_BIAS: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     BN: gl.constexpr = k_desc.block_type.shape[2]  # BN_LOAD
     BM: gl.constexpr = 16 * q_desc.block_type.shape[0]
     # Causal: the first keys see the most query tiles; launch them first (they are pid 0).
@@ -214,6 +232,12 @@ def _dkdv_ws(k_desc, v_desc, q_desc, do_desc, dot_desc, qet_desc, row_desc, ks_p
     # Causal (top-left): query tiles wholly before this program's first key see none of it.
     j_lo = k0 // BM if CAUSAL else 0
     n_q = gl.maximum(gl.cdiv(NQ, BM) - j_lo, 0)
+    if KEY_BIAS:  # keys that every head of the group masks see no query (dK = dV = 0)
+        kept = False
+        for g in range(GROUP):
+            ranges = ranges_ptr + (b * bias_row_b + (kv_head * GROUP + g) * bias_row_h) * 4
+            kept = kept | ((gl.program_id(0) >= gl.load(ranges)) & (gl.program_id(0) < gl.load(ranges + 1)))
+        n_q = gl.where(kept, n_q, 0)
     ks = gl.load(ks_ptr + b * (HKV * stride_ksh) + kv_head * stride_ksh + gl.program_id(0))
 
     kv_shape: gl.constexpr = [1, 1, 2 * BN, HEAD_DIM]  # the program's keys, one tile
@@ -231,15 +255,15 @@ def _dkdv_ws(k_desc, v_desc, q_desc, do_desc, dot_desc, qet_desc, row_desc, ks_p
     smem = (k_smem, v_smem, q_bufs, do_bufs, dot_bufs, qet_bufs, row_bufs)
     out_strides = (stride_ob, stride_oh, stride_on, stride_od)  # dK's and dV's
     args = (dos_ptr, vs_ptr, qes_ptr, dk_ptr, dv_ptr, smem, bars, out_strides, stride_qes, ks, b, kv_head, H, GROUP,
-            k0, j_lo, n_q, NQ, NK)
+            k0, j_lo, n_q, NQ, NK, bias_ptr, (bias_row_b, bias_row_h))
     loads = (k_desc, v_desc, q_desc, do_desc, dot_desc, qet_desc, row_desc, smem, bars, b, kv_head, H, GROUP, k0,
              j_lo, n_q, NQ_PAD)
     if CONSUMERS == 1:
-        gl.warp_specialize([(_consumer, (args, 0, HEAD_DIM, BM, 2 * BN, STAGES, CAUSAL)),
+        gl.warp_specialize([(_consumer, (args, 0, HEAD_DIM, BM, 2 * BN, STAGES, CAUSAL, KEY_BIAS)),
                             (_producer, (loads, BM, BN, STAGES))], [1], [PRODUCER_REGS])
     else:
-        gl.warp_specialize([(_consumer, (args, 0, HEAD_DIM, BM, BN, STAGES, CAUSAL)),
-                            (_consumer, (args, 1, HEAD_DIM, BM, BN, STAGES, CAUSAL)),
+        gl.warp_specialize([(_consumer, (args, 0, HEAD_DIM, BM, BN, STAGES, CAUSAL, KEY_BIAS)),
+                            (_consumer, (args, 1, HEAD_DIM, BM, BN, STAGES, CAUSAL, KEY_BIAS)),
                             (_producer, (loads, BM, BN, STAGES))],
                            [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -291,7 +315,8 @@ def supports(do, do_t, do_scale, delta, q, qe_t, qe_scale, k, v, q_scale, k_scal
     ``dkdv_backward``, then the call's bias and P mode."""
     b, h, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
-    return (p_mode == "direct" and bias is None and d in (64, 128) and nq > 0 and nk > 0
+    return (p_mode == "direct" and (bias is None or KEY_BIAS and key_row_bias(bias, b, h, nq, nk))
+            and d in (64, 128) and nq > 0 and nk > 0
             and h % hkv == 0 and b * hkv < 65536  # the grid's second dimension
             and q.dtype == k.dtype == torch.int8 and do.dtype == do_t.dtype == F.E5M2
             and v.dtype == qe_t.dtype == F.E4M3
@@ -307,12 +332,16 @@ def supports(do, do_t, do_scale, delta, q, qe_t, qe_scale, k, v, q_scale, k_scal
 
 
 def dkdv_backward(do, do_t, do_scale, delta, q, qe_t, qe_scale, k, v, q_scale, k_scale, v_scale, row_ref, causal,
-                  dk, dv):
+                  dk, dv, bias=None):
     """dK, dV into ``dk``, ``dv`` [B, Hkv, Nk, D] (one stride set for both).  ``v`` is V
     row-major [B, Hkv, Nk, D]; ``do_t``, ``qe_t`` token-major; the rest as
     ``reference.attention_backward``, float32 scales and rows."""
     b, h, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
+    bias_rows, ranges, row_b, row_h = row_ref, row_ref, 0, 0  # never read without a bias
+    if bias is not None:
+        bias_rows, row_b, row_h = key_rows(bias, b, h, nq, nk)
+        ranges = tile_ranges(bias_rows, BLOCK_N)
     bm = F.ds_block_dk(d)[0]  # queries per step = the queries of one dS scale
     kv_block = [1, 1, BN_LOAD, d]
     k_desc = TensorDescriptor.from_tensor(k, kv_block, _layout(kv_block, gl.int8))
@@ -324,12 +353,12 @@ def dkdv_backward(do, do_t, do_scale, delta, q, qe_t, qe_scale, k, v, q_scale, k
     _dkdv_ws[(triton.cdiv(nk, BLOCK_N), b * hkv)](
         k_desc, v_desc, q_desc, do_desc, _token_major_desc(do_t, bm, gl.float8e5),
         _token_major_desc(qe_t, bm, gl.float8e4nv), row_desc,
-        k_scale, v_scale, do_scale, qe_scale, dk, dv,
-        *dk.stride(), k_scale.stride(1), qe_scale.stride(1), h, hkv, nq, nk, nq_pad,
-        HEAD_DIM=d, CAUSAL=bool(causal), **consts, **launch)
+        k_scale, v_scale, do_scale, qe_scale, dk, dv, bias_rows, ranges,
+        *dk.stride(), k_scale.stride(1), qe_scale.stride(1), row_b, row_h, h, hkv, nq, nk, nq_pad,
+        HEAD_DIM=d, CAUSAL=bool(causal), KEY_BIAS=bias is not None, **consts, **launch)
 
 
-def compile_for_sm90(d: int, causal: bool):
+def compile_for_sm90(d: int, causal: bool, key_bias: bool = False):
     """Compile without a GPU (Triton's bundled ptxas), for inspection: the compiled kernel."""
     bm = F.ds_block_dk(d)[0]
     sig = {"k_desc": _tensor_desc("i8", [1, 1, BN_LOAD, d], gl.int8),
@@ -338,8 +367,9 @@ def compile_for_sm90(d: int, causal: bool):
            "do_desc": _tensor_desc("fp8e5", [bm // 16, 2, 4, 2, d], gl.float8e5),
            "dot_desc": _tensor_desc("fp8e5", [1, d, bm], gl.float8e5),
            "qet_desc": _tensor_desc("fp8e4nv", [1, d, bm], gl.float8e4nv),
-           "row_desc": _tensor_desc("fp32", [bm], gl.float32), "dk_ptr": "*bf16", "dv_ptr": "*bf16"}
-    for name in ("ks_ptr", "vs_ptr", "dos_ptr", "qes_ptr"):
+           "row_desc": _tensor_desc("fp32", [bm], gl.float32), "dk_ptr": "*bf16", "dv_ptr": "*bf16",
+           "ranges_ptr": "*i32"}
+    for name in ("ks_ptr", "vs_ptr", "dos_ptr", "qes_ptr", "bias_ptr"):
         sig[name] = "*fp32"
     consts, launch = _consumers(d)
-    return _compile_sm90(_dkdv_ws, sig, dict(consts, HEAD_DIM=d, CAUSAL=causal), launch)
+    return _compile_sm90(_dkdv_ws, sig, dict(consts, HEAD_DIM=d, CAUSAL=causal, KEY_BIAS=key_bias), launch)

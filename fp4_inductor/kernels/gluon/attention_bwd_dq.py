@@ -23,6 +23,11 @@ head dim spills (docs/perf-notes.md).
 Scope (``supports``): P mode direct, no bias, D in {64, 128}, Nk a multiple of 16; Q, K,
 V and the row vectors contiguous, dO with any strides TMA accepts, dQ (stored through
 pointers) with non-negative strides whose offsets within a batch fit 32 bits.
+
+Staged, off (``KEY_BIAS``): a key-row bias (key padding) as the forward Gluon kernel takes
+it: ``key_bias.tile_ranges`` narrows each program's key tiles to those that keep a key
+(dS is 0 on the others), the zero run is unmasked and its edge tiles add the bias
+(``attention_fwd._scores``).  Compiled for sm_90, not yet run on a GPU.
 """
 
 from __future__ import annotations
@@ -35,14 +40,18 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ... import formats as F
-from .attention_fwd import (_LAUNCH, _REGS, _compile_sm90, _e4m3, _layout, _p_operand, _probability,
-                            _program_tiles, _ring_barriers, _scores, _store_rows, _tensor_desc, _wgmma_layout)
+from ..triton.key_bias import key_row_bias, key_rows, tile_ranges
+from .attention_fwd import (_LAUNCH, _REGS, _compile_sm90, _e4m3, _key_bias_tiles, _layout, _p_operand,
+                            _probability, _program_tiles, _ring_barriers, _scores, _store_rows, _tensor_desc,
+                            _wgmma_layout)
 
 BLOCK_N = F.KEY_TILE
 BM_WG = 64  # query rows per consumer warpgroup
 assert F.DS_BLOCK_DQ == (1, BLOCK_N)  # one dS scale per query row and key tile
 NUM_STAGES = 2
 DS_SCALE_MIN = gl.constexpr(F.DS_SCALE_MIN)
+# Key-row biases (module docstring): off until the GPU tests and a timing have run.
+KEY_BIAS = False
 
 
 @gluon.jit
@@ -80,12 +89,13 @@ def _issue_s_dp(s_a, s_b, dp_a, dp_b, M: gl.constexpr, N: gl.constexpr, layout: 
 
 
 @gluon.jit
-def _step(j, dq, q, do, rows, row_t, r, delta, dov_scale, ks_ptr, kes_ptr, NK, masked, smem, bars,
+def _step(i, j, dq, q, do, rows, row_t, r, delta, dov_scale, ks_ptr, kes_ptr, bias_row, NK, masked, smem, bars,
           HEAD_DIM: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
-          CAUSAL: gl.constexpr):
-    """Key tile j: S_j and dP_j on the tensor cores, dS_j, then its product dS_j·Ke_j,
-    which joins dQ with the tile's scales (two-level accumulation).  ``masked``: the
-    tile may hold keys past NK or (causal) after a row, else it is known whole; at D = 64
+          CAUSAL: gl.constexpr, KEY_BIAS: gl.constexpr):
+    """Iteration i (the ring's count), key tile j: S_j and dP_j on the tensor cores, dS_j,
+    then its product dS_j·Ke_j, which joins dQ with the tile's scales (two-level
+    accumulation).  ``masked``: the tile may hold keys past NK, (causal) after a row or
+    (KEY_BIAS) a nonzero bias, else it is known whole and unbiased; at D = 64
     a runtime value (a branch between two compiled copies of the scores, joined before P,
     so the rest of the step is compiled once), at D = 128 a literal, so that each kind of
     tile gets its own copy of the step (``_consumer``)."""
@@ -93,18 +103,18 @@ def _step(j, dq, q, do, rows, row_t, r, delta, dov_scale, ks_ptr, kes_ptr, NK, m
     in_bar, kv_ready, kv_empty, ke_ready, ke_empty = bars
     s_layout: gl.constexpr = _wgmma_layout(BN, gl.num_warps())
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dq.type.layout, k_width=4)
-    stage = j % STAGES
-    phase = (j // STAGES) & 1
+    stage = i % STAGES
+    phase = (i // STAGES) & 1
     mbarrier.wait(kv_ready.index(stage), phase)
     s, dp = _issue_s_dp(q, k_bufs.index(stage).reshape([BN, HEAD_DIM]), do, v_bufs.index(stage).reshape([BN, HEAD_DIM]),
                         BM, BN, s_layout)
     s, dp = warpgroup_mma_wait(0, deps=(s, dp))
     mbarrier.arrive(kv_empty.index(stage))
     if masked:
-        x, t = _scores(s, row_t, ks_ptr, ks_ptr, j, rows, NK, 0, 0, BN, CAUSAL, False, True, False, False)
+        x, t = _scores(s, row_t, ks_ptr, bias_row, j, rows, NK, 0, 0, BN, CAUSAL, False, True, False, KEY_BIAS)
     else:
-        x, t = _scores(s, row_t, ks_ptr, ks_ptr, j, rows, NK, 0, 0, BN, CAUSAL, False, False, False, False)
-    p = _probability(x, t[:, None], r[:, None], False, False).to(gl.float32)
+        x, t = _scores(s, row_t, ks_ptr, bias_row, j, rows, NK, 0, 0, BN, CAUSAL, False, False, False, KEY_BIAS)
+    p = _probability(x, t[:, None], r[:, None], False, KEY_BIAS).to(gl.float32)
     ds8, ds_scale = _ds_operand(p, dp, delta[:, None], dov_scale)
     mbarrier.wait(ke_ready.index(stage), phase)
     part = warpgroup_mma(_p_operand(ds8, a_layout, BM, BN), ke_bufs.index(stage).reshape([HEAD_DIM, BN])
@@ -115,10 +125,10 @@ def _step(j, dq, q, do, rows, row_t, r, delta, dov_scale, ks_ptr, kes_ptr, NK, m
 
 
 @gluon.jit
-def _consumer(qs_ptr, ks_ptr, kes_ptr, delta_ptr, ref_ptr, dq_ptr, smem, bars, dq_strides,
-              dov_scale, bh, H, start_m, NQ, NK, n_tiles, n_full,
+def _consumer(qs_ptr, ks_ptr, kes_ptr, delta_ptr, ref_ptr, dq_ptr, bias_row, smem, bars, dq_strides,
+              dov_scale, bh, H, start_m, NQ, NK, lo, hi, n_full,
               WG: gl.constexpr, HEAD_DIM: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
-              STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+              STAGES: gl.constexpr, CAUSAL: gl.constexpr, KEY_BIAS: gl.constexpr):
     q_smem, do_smem, k_bufs, v_bufs, ke_bufs = smem
     in_bar, kv_ready, kv_empty, ke_ready, ke_empty = bars
     nw: gl.constexpr = gl.num_warps()
@@ -139,27 +149,27 @@ def _consumer(qs_ptr, ks_ptr, kes_ptr, delta_ptr, ref_ptr, dq_ptr, smem, bars, d
     # thread at D = 128), where issuing tile j-1's product under S_j and dP_j kept dQ, its
     # part, S and dP live and spilled; the other warpgroup's scores keep the tensor cores
     # busy while this one waits on its product.
-    # _program_tiles: tiles 1 .. n_full - 1 need no mask.
+    # Key tiles lo .. hi - 1 (``_dq_ws``): lo + 1 .. n_full - 1 need no mask.
     dq = gl.zeros([BM, HEAD_DIM], gl.float32, o_layout)
     if HEAD_DIM == 64:  # one compiled step with a runtime mask branch: 5 % faster than three copies at 16k
-        for j in range(n_tiles):
-            dq = _step(j, dq, q, do, rows, row_t, r, delta, dov_scale, ks_ptr, kes_ptr, NK, (j == 0) | (j >= n_full),
-                       smem, bars, HEAD_DIM, BM, BN, STAGES, CAUSAL)
+        for j in range(lo, hi):
+            dq = _step(j - lo, j, dq, q, do, rows, row_t, r, delta, dov_scale, ks_ptr, kes_ptr, bias_row, NK,
+                       (j == lo) | (j >= n_full), smem, bars, HEAD_DIM, BM, BN, STAGES, CAUSAL, KEY_BIAS)
     else:  # at D = 128 that branch inside the loop costs 5 %: the whole tiles get their own copy
-        dq = _step(0, dq, q, do, rows, row_t, r, delta, dov_scale, ks_ptr, kes_ptr, NK, True, smem, bars,
-                   HEAD_DIM, BM, BN, STAGES, CAUSAL)
-        for j in range(1, n_full):
-            dq = _step(j, dq, q, do, rows, row_t, r, delta, dov_scale, ks_ptr, kes_ptr, NK, False, smem, bars,
-                       HEAD_DIM, BM, BN, STAGES, CAUSAL)
-        for j in range(n_full, n_tiles):
-            dq = _step(j, dq, q, do, rows, row_t, r, delta, dov_scale, ks_ptr, kes_ptr, NK, True, smem, bars,
-                       HEAD_DIM, BM, BN, STAGES, CAUSAL)
+        dq = _step(0, lo, dq, q, do, rows, row_t, r, delta, dov_scale, ks_ptr, kes_ptr, bias_row, NK, True, smem,
+                   bars, HEAD_DIM, BM, BN, STAGES, CAUSAL, KEY_BIAS)
+        for j in range(lo + 1, n_full):
+            dq = _step(j - lo, j, dq, q, do, rows, row_t, r, delta, dov_scale, ks_ptr, kes_ptr, bias_row, NK, False,
+                       smem, bars, HEAD_DIM, BM, BN, STAGES, CAUSAL, KEY_BIAS)
+        for j in range(n_full, hi):
+            dq = _step(j - lo, j, dq, q, do, rows, row_t, r, delta, dov_scale, ks_ptr, kes_ptr, bias_row, NK, True,
+                       smem, bars, HEAD_DIM, BM, BN, STAGES, CAUSAL, KEY_BIAS)
 
     _store_rows(dq_ptr, dq, start_m + WG * BM, 0, bh // H, bh % H, NQ, dq_strides)
 
 
 @gluon.jit
-def _producer(q_desc, do_desc, k_desc, v_desc, ke_desc, smem, bars, bh, H, start_m, kv_head, n_tiles, NK,
+def _producer(q_desc, do_desc, k_desc, v_desc, ke_desc, smem, bars, bh, H, start_m, kv_head, lo, n_tiles, NK,
               BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr):
     q_smem, do_smem, k_bufs, v_bufs, ke_bufs = smem
     in_bar, kv_ready, kv_empty, ke_ready, ke_empty = bars
@@ -167,9 +177,10 @@ def _producer(q_desc, do_desc, k_desc, v_desc, ke_desc, smem, bars, bh, H, start
     for w in gl.static_range(2):
         tma.async_copy_global_to_shared(q_desc, [bh // H, bh % H, start_m + w * BM, 0], in_bar, q_smem.index(w))
         tma.async_copy_global_to_shared(do_desc, [bh // H, bh % H, start_m + w * BM, 0], in_bar, do_smem.index(w))
-    for j in range(n_tiles):
-        s = j % STAGES
-        phase = (j // STAGES) & 1
+    for i in range(n_tiles):
+        s = i % STAGES
+        phase = (i // STAGES) & 1
+        j = lo + i
         mbarrier.wait(kv_empty.index(s), phase ^ 1)  # a fresh barrier counts as released
         mbarrier.expect(kv_ready.index(s), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
         chunk = kv_head * (NK // 16) + j * (BN // 16)  # K and V rows in the P-operand order
@@ -182,14 +193,22 @@ def _producer(q_desc, do_desc, k_desc, v_desc, ke_desc, smem, bars, bh, H, start
 
 @gluon.jit
 def _dq_ws(q_desc, do_desc, k_desc, v_desc, ke_desc, qs_ptr, ks_ptr, kes_ptr, dos_ptr, vs_ptr, delta_ptr, ref_ptr,
-           dq_ptr, stride_dqb, stride_dqh, stride_dqm, stride_dqd, stride_ksb, H, GROUP, NQ, NK,
+           dq_ptr, bias_ptr, ranges_ptr, stride_dqb, stride_dqh, stride_dqm, stride_dqd, stride_ksb, bias_row_b,
+           bias_row_h, H, GROUP, NQ, NK,
            HEAD_DIM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-           CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+           KEY_BIAS: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     BM: gl.constexpr = q_desc.block_type.shape[2]
     # SDPA's causal structure (top-left) or none: the tiles start at 0; tile 0 is always
     # treated as masked, so the unmasked run starts at 1.
     start_m, bh, kv_head, tiles = _program_tiles(NK, GROUP, 0, 0, BM, BN, CAUSAL, False)
-    n_tiles, n_full = tiles[1], gl.maximum(tiles[3], 1)
+    lo, n_tiles, n_full = tiles[0], tiles[1], gl.maximum(tiles[3], 1)
+    bias_row = bias_ptr
+    if KEY_BIAS:  # the tiles that keep a key; unmasked: the zero run's, from lo + 1 (the forward's rule)
+        row = (bh // H) * bias_row_b + (bh % H) * bias_row_h
+        lo, n_tiles, full_lo, full_hi = _key_bias_tiles(tiles, ranges_ptr + row * 4)
+        bias_row = bias_ptr + row.to(gl.int64) * NK
+        full_hi = gl.where(full_lo <= lo + 1, full_hi, lo + 1)
+        n_full = gl.minimum(gl.maximum(full_hi, lo + 1), lo + n_tiles)
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
     do_smem = gl.allocate_shared_memory(do_desc.dtype, [2] + do_desc.block_type.shape, do_desc.layout)
     k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
@@ -202,13 +221,16 @@ def _dq_ws(q_desc, do_desc, k_desc, v_desc, ke_desc, qs_ptr, ks_ptr, kes_ptr, do
     dq_strides = (stride_dqb, stride_dqh, stride_dqm, stride_dqd)
     ks_head = ks_ptr + kv_head * stride_ksb
     kes_head = kes_ptr + kv_head * stride_ksb
+    hi = lo + n_tiles
     gl.warp_specialize([
-        (_consumer, (qs_ptr, ks_head, kes_head, delta_ptr, ref_ptr, dq_ptr, smem, bars, dq_strides, dov_scale,
-                     bh, H, start_m, NQ, NK, n_tiles, n_full, 0, HEAD_DIM, BM, BN, STAGES, CAUSAL)),
-        (_consumer, (qs_ptr, ks_head, kes_head, delta_ptr, ref_ptr, dq_ptr, smem, bars, dq_strides, dov_scale,
-                     bh, H, start_m, NQ, NK, n_tiles, n_full, 1, HEAD_DIM, BM, BN, STAGES, CAUSAL)),
-        (_producer, (q_desc, do_desc, k_desc, v_desc, ke_desc, smem, bars, bh, H, start_m, kv_head, n_tiles, NK, BM,
-                     BN, STAGES)),
+        (_consumer, (qs_ptr, ks_head, kes_head, delta_ptr, ref_ptr, dq_ptr, bias_row, smem, bars, dq_strides,
+                     dov_scale, bh, H, start_m, NQ, NK, lo, hi, n_full, 0, HEAD_DIM, BM, BN, STAGES, CAUSAL,
+                     KEY_BIAS)),
+        (_consumer, (qs_ptr, ks_head, kes_head, delta_ptr, ref_ptr, dq_ptr, bias_row, smem, bars, dq_strides,
+                     dov_scale, bh, H, start_m, NQ, NK, lo, hi, n_full, 1, HEAD_DIM, BM, BN, STAGES, CAUSAL,
+                     KEY_BIAS)),
+        (_producer, (q_desc, do_desc, k_desc, v_desc, ke_desc, smem, bars, bh, H, start_m, kv_head, lo, n_tiles, NK,
+                     BM, BN, STAGES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -244,7 +266,8 @@ def supports(do, delta, q, k, v, q_scale, ke_t, k_scale, ke_scale, row_ref, bias
     b, h, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
     rows = (h * nq, nq, 1)
-    return (p_mode == "direct" and bias is None and d in (64, 128) and nk % 16 == 0 and nq > 0 and nk > 0
+    return (p_mode == "direct" and (bias is None or KEY_BIAS and key_row_bias(bias, b, h, nq, nk))
+            and d in (64, 128) and nk % 16 == 0 and nq > 0 and nk > 0
             and h % hkv == 0 and b * h < 65536  # the grid's second dimension
             and q.dtype == k.dtype == torch.int8 and do.dtype == F.E5M2 and v.dtype == ke_t.dtype == F.E4M3
             and all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (q, k, v))  # 5-D/flat TMA views
@@ -256,13 +279,18 @@ def supports(do, delta, q, k, v, q_scale, ke_t, k_scale, ke_scale, row_ref, bias
             and sum((n - 1) * st for n, st in zip(dq.shape[1:], dq.stride()[1:])) < 2**31)
 
 
-def dq_backward(do, do_scale, delta, q, k, v, q_scale, k_scale, v_scale, ke_t, ke_scale, row_ref, causal, dq):
+def dq_backward(do, do_scale, delta, q, k, v, q_scale, k_scale, v_scale, ke_t, ke_scale, row_ref, causal, dq,
+                bias=None):
     """dQ (as ``ke_scale`` scales it: ``ops.attention_bwd``) into ``dq`` [B, H, Nq, D]
     for the calls (strides included) that ``supports`` accepts.  ``v`` is V row-major
     [B, Hkv, Nk, D], ``ke_t`` the token-major E4M3 K [B, Hkv, D, Nk]; the rest as
     ``reference.attention_backward``, float32 scales and rows."""
     b, h, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
+    bias_rows, ranges, row_b, row_h = row_ref, row_ref, 0, 0  # never read without a bias
+    if bias is not None:
+        bias_rows, row_b, row_h = key_rows(bias, b, h, nq, nk)
+        ranges = tile_ranges(bias_rows, BLOCK_N)
     q_block = [1, 1, BM_WG, d]
     q_desc = TensorDescriptor.from_tensor(q, q_block, _layout(q_block, gl.int8))
     do_desc = TensorDescriptor.from_tensor(do, q_block, _layout(q_block, gl.float8e5))
@@ -270,18 +298,19 @@ def dq_backward(do, do_scale, delta, q, k, v, q_scale, k_scale, v_scale, ke_t, k
     _dq_ws[(triton.cdiv(nq, 2 * BM_WG), b * h)](
         q_desc, do_desc, _permuted_rows(k, BLOCK_N, gl.int8), _permuted_rows(v, BLOCK_N, gl.float8e4nv),
         _token_major_desc(ke_t, BLOCK_N, gl.float8e4nv),
-        q_scale, k_scale, ke_scale, do_scale.reshape(-1), v_scale.reshape(-1), delta, row_ref, dq,
-        *dq.stride(), k_scale.stride(0), h, h // hkv, nq, nk,
-        HEAD_DIM=d, CAUSAL=bool(causal), **_CONSTEXPRS, **_LAUNCH)
+        q_scale, k_scale, ke_scale, do_scale.reshape(-1), v_scale.reshape(-1), delta, row_ref, dq, bias_rows, ranges,
+        *dq.stride(), k_scale.stride(0), row_b, row_h, h, h // hkv, nq, nk,
+        HEAD_DIM=d, CAUSAL=bool(causal), KEY_BIAS=bias is not None, **_CONSTEXPRS, **_LAUNCH)
 
 
-def compile_for_sm90(d: int, causal: bool):
+def compile_for_sm90(d: int, causal: bool, key_bias: bool = False):
     """Compile without a GPU (Triton's bundled ptxas), for inspection: the compiled kernel."""
     perm = [BLOCK_N // 16, 2, 4, 2, d]
     sig = {"q_desc": _tensor_desc("i8", [1, 1, BM_WG, d], gl.int8),
            "do_desc": _tensor_desc("fp8e5", [1, 1, BM_WG, d], gl.float8e5),
            "k_desc": _tensor_desc("i8", perm, gl.int8), "v_desc": _tensor_desc("fp8e4nv", perm, gl.float8e4nv),
-           "ke_desc": _tensor_desc("fp8e4nv", [1, d, BLOCK_N], gl.float8e4nv), "dq_ptr": "*bf16"}
-    for name in ("qs_ptr", "ks_ptr", "kes_ptr", "dos_ptr", "vs_ptr", "delta_ptr", "ref_ptr"):
+           "ke_desc": _tensor_desc("fp8e4nv", [1, d, BLOCK_N], gl.float8e4nv), "dq_ptr": "*bf16",
+           "ranges_ptr": "*i32"}
+    for name in ("qs_ptr", "ks_ptr", "kes_ptr", "dos_ptr", "vs_ptr", "delta_ptr", "ref_ptr", "bias_ptr"):
         sig[name] = "*fp32"
-    return _compile_sm90(_dq_ws, sig, dict(HEAD_DIM=d, CAUSAL=causal, **_CONSTEXPRS))
+    return _compile_sm90(_dq_ws, sig, dict(HEAD_DIM=d, CAUSAL=causal, KEY_BIAS=key_bias, **_CONSTEXPRS))
