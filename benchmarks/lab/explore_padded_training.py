@@ -1,20 +1,26 @@
-"""A key-padded training step (what an HF model trained on a padded batch runs) with the
-Triton kernels walking every key tile and skipping the wholly masked ones
-(``kernels/triton/key_bias.TRITON_SKIPS_MASKED_TILES``), in the same run; torch's BF16
-SDPA on the dense boolean mask (what such a site falls back to) as the peer.
+"""A key-padded training step (what an HF model trained on a padded batch runs), three ways
+in the same run: the Triton backward kernels walking every key tile, the same skipping the
+wholly masked ones (``kernels/triton/key_bias.TRITON_SKIPS_MASKED_TILES``, what ships), and
+the Gluon dQ and dK/dV kernels taking the key bias (their staged ``KEY_BIAS``); torch's
+BF16 SDPA on the dense boolean mask (what such a site falls back to) as the peer.
 
-    python benchmarks/lab/explore_padded_training.py [--ns 2048 4096 8192]
+    python benchmarks/lab/explore_padded_training.py [--ns 2048 4096 8192] [--compile]
 
 ``lowp_attention(q, k, v, key_padding=keep, is_causal=...)`` forward + backward, fp8,
 B = 16384 // N, H = 2048 // D, each sequence keeping N/2..N keys (seeded per case, as
-``explore_masked_sites.py``).  The gradients of both switch states are compared (the
-kernels sum nothing atomically, so they should agree bit for bit).  Writes
-benchmarks/results/lab/explore_padded_training_h200.json.
+``explore_masked_sites.py``); eager, or with ``--compile`` the attention compiled by
+Inductor (the peer too), which fuses the backward's elementwise preparation as a compiled
+model does.  Wall time and the kernels' own time (profiler).  The gradients of each variant
+against the all-tiles ones: the Triton skipping should agree bit for bit (nothing sums
+atomically), the Gluon kernels to summation order.  A variant whose Gluon kernel failed
+falls back to Triton with a warning; the row records which backward kernels ran.  Writes
+benchmarks/results/lab/explore_padded_training_rowbias_h200.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from unittest import mock
@@ -28,23 +34,38 @@ import common as C  # noqa: E402
 from explore_masked_sites import SIDES, dense_mask, key_padding  # noqa: E402
 
 from fp4_inductor.attention import lowp_attention  # noqa: E402
+from fp4_inductor.kernels.gluon import attention_bwd_dkdv, attention_bwd_dq  # noqa: E402
 from fp4_inductor.kernels.triton import key_bias  # noqa: E402
 
-
-def step(q, k, v, dout, causal, keep, skipping):
-    """One forward + backward; the gradients."""
-    with mock.patch.object(key_bias, "TRITON_SKIPS_MASKED_TILES", skipping):
-        out = lowp_attention(q, k, v, is_causal=causal, key_padding=keep)
-        return torch.autograd.grad(out, (q, k, v), dout)
+# variant: (Triton kernels skip masked tiles, Gluon backward takes the key bias)
+VARIANTS = {"all_tiles": (False, False), "skipping": (True, False), "gluon_key_bias": (True, True)}
 
 
-def sdpa_step(q, k, v, dout, mask):
-    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    return torch.autograd.grad(out, (q, k, v), dout)
+def attend(q, k, v, causal, keep):
+    return lowp_attention(q, k, v, is_causal=causal, key_padding=keep)
 
 
-def main(ns):
-    doc = {"environment": C.environment(), "rows": []}
+def sdpa(q, k, v, mask):
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def switches(variant):
+    skipping, gluon = VARIANTS[variant]
+    stack = contextlib.ExitStack()
+    stack.enter_context(mock.patch.object(key_bias, "TRITON_SKIPS_MASKED_TILES", skipping))
+    for module in (attention_bwd_dq, attention_bwd_dkdv):
+        stack.enter_context(mock.patch.object(module, "KEY_BIAS", gluon))
+    return stack
+
+
+def rel_l2(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def main(ns, compiled):
+    fwd = torch.compile(attend) if compiled else attend
+    peer = torch.compile(sdpa) if compiled else sdpa
+    doc = {"environment": C.environment(), "compiled": compiled, "rows": []}
     for d in (128, 64):
         for n in ns:
             for causal, side in tqdm(SIDES, desc=f"D {d} N {n}"):
@@ -56,37 +77,46 @@ def main(ns):
                 gen = torch.Generator().manual_seed(d * 10**6 + n * 10 + 2 * causal + (side == "left"))
                 keep = key_padding(b, n, side, gen).cuda()
                 mask = dense_mask(keep.cpu(), n, causal, 0).cuda()
-                grads = {s: step(q, k, v, dout, causal, keep, s) for s in (False, True)}
                 row = {"d": d, "n": n, "causal": causal, "mask": side, "b": b, "h": h,
-                       "visible_fraction": float(mask.float().mean()),
-                       "max_abs_grad_diff": max((a - c).abs().max().item()
-                                                for a, c in zip(grads[False], grads[True]))}
-                runs = {"all_tiles": lambda: step(q, k, v, dout, causal, keep, False),
-                        "skipping": lambda: step(q, k, v, dout, causal, keep, True),
-                        "sdpa_bf16_dense_mask": lambda: sdpa_step(q, k, v, dout, mask)}
+                       "visible_fraction": float(mask.float().mean())}
+
+                def step(variant):
+                    with switches(variant):
+                        return torch.autograd.grad(fwd(q, k, v, causal, keep), (q, k, v), dout)
+
+                runs = {name: (lambda name=name: step(name)) for name in VARIANTS}
+                runs["sdpa_bf16_dense_mask"] = lambda: torch.autograd.grad(peer(q, k, v, mask), (q, k, v), dout)
+                grads = {name: step(name) for name in VARIANTS}
+                for name in VARIANTS:
+                    row[f"{name}_grad_max_abs_diff"] = max((a - c).abs().max().item()
+                                                           for a, c in zip(grads[name], grads["all_tiles"]))
+                    row[f"{name}_grad_rel_l2"] = max(rel_l2(a, c) for a, c in zip(grads[name], grads["all_tiles"]))
                 for name, fn in runs.items():
-                    # Wall time (eager: the host's launches count) and the kernels' own time.
                     row[f"{name}_ms"] = do_bench(fn, return_mode="median")
                     kernels = C.kernel_times(fn)
                     row[f"{name}_kernel_ms"] = sum(kernels.values())
                     row[f"{name}_top_kernels_ms"] = dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:6])
-                row["skip_speedup"] = row["all_tiles_ms"] / row["skipping_ms"]
-                row["skip_kernel_speedup"] = row["all_tiles_kernel_ms"] / row["skipping_kernel_ms"]
-                row["sdpa_over_skipping_kernels"] = row["sdpa_bf16_dense_mask_kernel_ms"] / row["skipping_kernel_ms"]
+                row["gluon_backward_ran"] = [name for name in ("_dq_ws", "_dkdv_ws")
+                                             if name in row["gluon_key_bias_top_kernels_ms"]]
+                for name in ("skipping", "gluon_key_bias"):
+                    row[f"{name}_kernel_speedup"] = row["all_tiles_kernel_ms"] / row[f"{name}_kernel_ms"]
+                    row[f"sdpa_over_{name}_kernels"] = row["sdpa_bf16_dense_mask_kernel_ms"] / row[f"{name}_kernel_ms"]
                 doc["rows"].append(row)
                 del q, k, v, dout, grads, mask
-    C.save(doc, os.path.join(C.RESULTS, "lab", "explore_padded_training_h200.json"))
-    print(f"{'D':>4s} {'N':>6s} {'causal':>6s} {'mask':>6s} {'vis':>5s}  wall ms: all tiles / skipping / SDPA"
-          f"  kernel ms: all tiles / skipping (speedup) / SDPA-dense-mask (over skipping)  max |grad diff|")
+    C.save(doc, os.path.join(C.RESULTS, "lab", "explore_padded_training_rowbias_h200.json"))
+    print(f"{'D':>4s} {'N':>6s} {'causal':>6s} {'mask':>6s} {'vis':>5s}  kernel ms: all tiles / skipping / Gluon"
+          f" / SDPA-dense-mask  SDPA over skipping, Gluon  Gluon ran  grad diff: skipping (max), Gluon (rel-L2)")
     for r in doc["rows"]:
         print(f"{r['d']:4d} {r['n']:6d} {str(r['causal']):>6s} {r['mask']:>6s} {r['visible_fraction']:5.2f}  "
-              f"{r['all_tiles_ms']:7.3f} / {r['skipping_ms']:7.3f} / {r['sdpa_bf16_dense_mask_ms']:7.3f}  "
-              f"{r['all_tiles_kernel_ms']:7.3f} / {r['skipping_kernel_ms']:7.3f} ({r['skip_kernel_speedup']:.2f})"
-              f" / {r['sdpa_bf16_dense_mask_kernel_ms']:7.3f} ({r['sdpa_over_skipping_kernels']:.2f})"
-              f"  {r['max_abs_grad_diff']:.2e}")
+              f"{r['all_tiles_kernel_ms']:7.3f} / {r['skipping_kernel_ms']:7.3f} / {r['gluon_key_bias_kernel_ms']:7.3f}"
+              f" / {r['sdpa_bf16_dense_mask_kernel_ms']:7.3f}  {r['sdpa_over_skipping_kernels']:.2f}, "
+              f"{r['sdpa_over_gluon_key_bias_kernels']:.2f}  {'+'.join(r['gluon_backward_ran']) or 'none'}  "
+              f"{r['skipping_grad_max_abs_diff']:.1e}, {r['gluon_key_bias_grad_rel_l2']:.1e}")
 
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--ns", type=int, nargs="*", default=[2048, 4096, 8192], help="sequence lengths")
-    main(ap.parse_args().ns)
+    ap.add_argument("--compile", action="store_true", help="the attention (and the peer) compiled by Inductor")
+    args = ap.parse_args()
+    main(args.ns, args.compile)
