@@ -39,6 +39,7 @@ CASES = [
     ((1, 2, 1, 300, 130, 40, "keypad"), "direct", True, {"diagonal": -170}),
     ((1, 1, 1, 65, 130, 192, None), "direct", False, {"dv": 128}),
     ((3, 2, 1, 200, 520, 64, "leftpad"), "direct", True, {"diagonal": 320}),  # whole masked tiles
+    ((2, 4, 2, 150, 260, 64, "keyrow"), "exp", False, {}),  # a bias row per (batch, head), GQA
 ]
 
 SCRIPT = """
@@ -51,8 +52,8 @@ torch.manual_seed({seed})
 extra = {extra!r}
 structure = {{k: extra[k] for k in ("diagonal", "window") if k in extra}}
 ops = operands(*{shape}[:6], {p_mode!r}, {causal}, {shape}[6], dv=extra.get("dv"), **structure)
-# Key padding with and without the skipping of its wholly masked tiles.
-for skip in (False, True) if {shape}[6] in ("leftpad", "rightpad") else (False,):
+# Padded rows with and without the skipping of their wholly masked tiles; the rest as shipped.
+for skip in (False, True) if {shape}[6] in ("leftpad", "rightpad") else (True,):
     key_bias.TRITON_SKIPS_MASKED_TILES = skip
     grads, dumps = run(ops, {causal}, {p_mode!r}, device="cpu", **structure)
     check(ops, {causal}, {p_mode!r}, grads, dumps, **structure)
@@ -106,8 +107,8 @@ dv = ops[2].shape[-2]
 out = torch.full((b, nq, h, dv), float("nan")).transpose(1, 2)
 lse, row_ref = (torch.full((b, h, nq), float("nan")) for _ in range(2))
 ref_o, ref_l, ref_r = R.attention_forward(*ops, bias, causal, p_mode, torch.float32, **structure)
-# Key-padding rows with and without the skipping of their wholly masked tiles.
-for skip in (False, True) if bias_kind in ("keypad", "leftpad", "rightpad") else (False,):
+# Key-padding rows with and without the skipping of their wholly masked tiles; the rest as shipped.
+for skip in (False, True) if bias_kind in ("keypad", "leftpad", "rightpad") else (True,):
     attention_fwd.key_bias.TRITON_SKIPS_MASKED_TILES = skip
     out.fill_(float("nan"))
     lse.fill_(float("nan"))
