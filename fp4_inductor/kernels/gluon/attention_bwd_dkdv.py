@@ -142,6 +142,10 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BM: gl.constexpr, 
     for c in range(n_steps):
         stage = c % STAGES
         phase = (c // STAGES) & 1
+        key_bias = 0.0
+        if KEY_BIAS:  # the step's head's biases at these keys (two a thread), loaded under its products
+            row = (b * bias_rows[0] + (kv_head * GROUP + c // n_q) * bias_rows[1]).to(gl.int64) * NK
+            key_bias = gl.load(bias_ptr + row + keys, mask=keys < NK, other=0.0)
         mbarrier.wait(q_ready.index(stage), phase)
         s, dp = _issue_s_dp(k_op, q_bufs.index(stage).reshape([BM, HEAD_DIM]), v_op,
                             do_bufs.index(stage).reshape([BM, HEAD_DIM]), BN, BM, s_layout)
@@ -155,10 +159,6 @@ def _consumer(args, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BM: gl.constexpr, 
         whole = (start_m + BM <= NQ) & (last_key < NK)
         if CAUSAL:
             whole = whole & (last_key <= start_m)
-        key_bias = 0.0
-        if KEY_BIAS:  # the head's bias row at these keys (two a thread)
-            row = (b * bias_rows[0] + h * bias_rows[1]).to(gl.int64) * NK
-            key_bias = gl.load(bias_ptr + row + keys, mask=keys < NK, other=0.0)
         # An unmasked copy of Pᵀ for whole tiles: 6-11 % faster dK/dV (perf-notes).
         if whole:
             p8 = _p_tile(start_m, s, keys, vecs, NQ, NK, ks, key_bias, BM, CAUSAL, False, KEY_BIAS)
