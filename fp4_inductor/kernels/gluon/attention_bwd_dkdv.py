@@ -57,7 +57,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ... import formats as F
-from ..triton.key_bias import key_row_bias, key_rows, tile_ranges
+from ..triton.key_bias import key_row_bias, launch_rows
 from .attention_bwd_dq import _ds_operand, _issue_s_dp, _permuted_rows, _rows, _tma_ready, _token_major_desc
 from .attention_fwd import (_LAUNCH, _REGS, _compile_sm90, _direct_p, _direct_p_bias, _key_order, _layout,
                             _p_operand, _ring_barriers, _store_rows, _tensor_desc, _wgmma_layout)
@@ -338,10 +338,7 @@ def dkdv_backward(do, do_t, do_scale, delta, q, qe_t, qe_scale, k, v, q_scale, k
     ``reference.attention_backward``, float32 scales and rows."""
     b, h, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
-    bias_rows, ranges, row_b, row_h = row_ref, row_ref, 0, 0  # never read without a bias
-    if bias is not None:
-        bias_rows, row_b, row_h = key_rows(bias, b, h, nq, nk)
-        ranges = tile_ranges(bias_rows, BLOCK_N)
+    bias_rows, ranges, row_b, row_h = launch_rows(bias, b, h, nq, nk, BLOCK_N, row_ref)
     bm = F.ds_block_dk(d)[0]  # queries per step = the queries of one dS scale
     kv_block = [1, 1, BN_LOAD, d]
     k_desc = TensorDescriptor.from_tensor(k, kv_block, _layout(kv_block, gl.int8))

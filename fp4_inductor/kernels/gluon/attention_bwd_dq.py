@@ -40,7 +40,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ... import formats as F
-from ..triton.key_bias import key_row_bias, key_rows, tile_ranges
+from ..triton.key_bias import key_row_bias, launch_rows
 from .attention_fwd import (_LAUNCH, _REGS, _compile_sm90, _e4m3, _key_bias_tiles, _layout, _p_operand,
                             _probability, _program_tiles, _ring_barriers, _scores, _store_rows, _tensor_desc,
                             _wgmma_layout)
@@ -287,10 +287,7 @@ def dq_backward(do, do_scale, delta, q, k, v, q_scale, k_scale, v_scale, ke_t, k
     ``reference.attention_backward``, float32 scales and rows."""
     b, h, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
-    bias_rows, ranges, row_b, row_h = row_ref, row_ref, 0, 0  # never read without a bias
-    if bias is not None:
-        bias_rows, row_b, row_h = key_rows(bias, b, h, nq, nk)
-        ranges = tile_ranges(bias_rows, BLOCK_N)
+    bias_rows, ranges, row_b, row_h = launch_rows(bias, b, h, nq, nk, BLOCK_N, row_ref)
     q_block = [1, 1, BM_WG, d]
     q_desc = TensorDescriptor.from_tensor(q, q_block, _layout(q_block, gl.int8))
     do_desc = TensorDescriptor.from_tensor(do, q_block, _layout(q_block, gl.float8e5))

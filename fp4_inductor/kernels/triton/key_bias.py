@@ -82,6 +82,16 @@ def _tile_ranges(rows_ptr, out_ptr, NK, TILES, MASKED: tl.constexpr, BN: tl.cons
     tl.store(out_ptr + r * 4 + i, tl.where(i == 0, lo, tl.where(i == 1, hi, tl.where(i == 2, z_lo, z_hi))))
 
 
+def launch_rows(bias, b: int, h: int, nq: int, nk: int, block_n: int, placeholder: torch.Tensor):
+    """What a kernel taking a key-row bias is launched with: (``key_rows``' rows, their
+    ``tile_ranges`` in tiles of ``block_n`` keys, row_b, row_h); without a bias
+    ``placeholder`` stands for both tensors (never read)."""
+    if bias is None:
+        return placeholder, placeholder, 0, 0
+    rows, row_b, row_h = key_rows(bias, b, h, nq, nk)
+    return rows, tile_ranges(rows, block_n), row_b, row_h
+
+
 def skip_ranges(bias: torch.Tensor, b: int, h: int, nq: int, nk: int, block_n: int):
     """For the Triton kernels: ``(tile_ranges, row_b, row_h)`` of a key-row bias when they
     skip its wholly masked tiles (``TRITON_SKIPS_MASKED_TILES``), else None."""
