@@ -211,32 +211,6 @@ def test_lowp_attention_gradients_end_to_end(fmt, p_mode, max_rel_l2, min_cos, c
         assert cos >= min_cos, f"{name}: cosine {cos:.4f}"
 
 
-# Key-row biases through the staged Gluon dQ (``attention_bwd_dq.KEY_BIAS``): right and
-# left padding with rows of no key (its last batch row), random key padding, a random
-# per-head bias row (no zero run: every tile adds the bias).
-GLUON_DQ_KEY_BIAS = [  # (B, H, Hkv, Nq, Nk, D, bias, causal)
-    (3, 4, 2, 700, 1280, 128, "rightpad", False),
-    (3, 4, 2, 1024, 1024, 64, "rightpad", True),
-    (3, 4, 1, 300, 2048, 128, "leftpad", False),
-    (2, 4, 2, 512, 784, 64, "keypad", False),
-    (2, 4, 2, 640, 640, 128, "keyrow", True),
-]
-
-
-@pytest.mark.parametrize("case", GLUON_DQ_KEY_BIAS, ids=lambda c: "b{}h{}kv{}q{}k{}d{}-{}-{}".format(
-    *c[:7], "causal" if c[7] else "full"))
-def test_gluon_dq_key_bias(case, monkeypatch):
-    """The staged key-bias path of the Gluon dQ against the Triton dQ kernel, under the
-    bounds of ``test_gluon_dq_matches_triton_dq``."""
-    from fp4_inductor import kernels
-    from fp4_inductor.kernels.gluon import attention_bwd_dq
-
-    monkeypatch.setattr(kernels, "_gluon_failed", set())
-    monkeypatch.setattr(attention_bwd_dq, "KEY_BIAS", True)
-    *shape, bias_kind, causal = case
-    check_gluon_dq(operands(*shape, "direct", causal, bias_kind), causal)
-
-
 # The Gluon dK/dV kernel's scope (P mode direct, no bias): odd lengths both ways, causal
 # with more keys than queries (keys no query sees), GQA and MQA, B > 1, both head dims.
 GLUON_DKDV_SHAPES = [  # (B, H, Hkv, Nq, Nk, D)
@@ -273,30 +247,37 @@ def check_gluon_dkdv(ops, causal):
         assert (got - want).abs().max() <= 1e-4 * want.abs().max(), f"{name}: max error"
 
 
-# Key-row biases through the staged Gluon dK/dV (``attention_bwd_dkdv.KEY_BIAS``): wholly
-# padded key tiles (programs that walk no query tile), rows of no key, random key padding,
-# and per-head bias rows in GQA groups (a tile kept by some heads of the group only).
-GLUON_DKDV_KEY_BIAS = [  # (B, H, Hkv, Nq, Nk, D, bias, causal)
-    (3, 4, 2, 700, 1296, 128, "rightpad", False),
-    (3, 4, 2, 1024, 1024, 64, "rightpad", True),
-    (3, 4, 1, 300, 2064, 64, "leftpad", False),
-    (2, 4, 2, 512, 784, 128, "keypad", False),
-    (2, 4, 2, 640, 640, 64, "keyrow", True),
-]
+# Key-row biases through the staged Gluon backward kernels (``KEY_BIAS`` of
+# ``attention_bwd_dq`` and ``attention_bwd_dkdv``): right and left padding with rows of no
+# key (the last batch row) and wholly padded key tiles (dK/dV programs that walk no query
+# tile), random key padding, and random per-head bias rows in GQA groups (no zero run:
+# every tile adds the bias; a dK/dV tile kept by some heads of its group only).
+GLUON_KEY_BIAS = {  # kernel: (B, H, Hkv, Nq, Nk, D, bias, causal)
+    "dq": [(3, 4, 2, 700, 1280, 128, "rightpad", False), (3, 4, 2, 1024, 1024, 64, "rightpad", True),
+           (3, 4, 1, 300, 2048, 128, "leftpad", False), (2, 4, 2, 512, 784, 64, "keypad", False),
+           (2, 4, 2, 640, 640, 128, "keyrow", True)],
+    "dkdv": [(3, 4, 2, 700, 1296, 128, "rightpad", False), (3, 4, 2, 1024, 1024, 64, "rightpad", True),
+             (3, 4, 1, 300, 2064, 64, "leftpad", False), (2, 4, 2, 512, 784, 128, "keypad", False),
+             (2, 4, 2, 640, 640, 64, "keyrow", True)],
+}
 
 
-@pytest.mark.parametrize("case", GLUON_DKDV_KEY_BIAS, ids=lambda c: "b{}h{}kv{}q{}k{}d{}-{}-{}".format(
-    *c[:7], "causal" if c[7] else "full"))
-def test_gluon_dkdv_key_bias(case, monkeypatch):
-    """The staged key-bias path of the Gluon dK/dV against the Triton kernel, under the
-    bounds of ``test_gluon_dkdv_matches_triton_dkdv`` (the same FMA of the same values)."""
+@pytest.mark.parametrize("what,case", [(what, c) for what, cases in GLUON_KEY_BIAS.items() for c in cases],
+                         ids=lambda x: x if isinstance(x, str) else "b{}h{}kv{}q{}k{}d{}-{}-{}".format(
+                             *x[:7], "causal" if x[7] else "full"))
+def test_gluon_backward_key_bias(what, case, monkeypatch):
+    """The staged key-bias path of the Gluon dQ or dK/dV kernel against the Triton one,
+    under the bounds of ``test_gluon_dq_matches_triton_dq`` / ``..._dkdv_...`` (the same
+    FMA of the same values)."""
+    import importlib
+
     from fp4_inductor import kernels
-    from fp4_inductor.kernels.gluon import attention_bwd_dkdv
 
     monkeypatch.setattr(kernels, "_gluon_failed", set())
-    monkeypatch.setattr(attention_bwd_dkdv, "KEY_BIAS", True)
+    monkeypatch.setattr(importlib.import_module(f"fp4_inductor.kernels.gluon.attention_bwd_{what}"), "KEY_BIAS", True)
     *shape, bias_kind, causal = case
-    check_gluon_dkdv(operands(*shape, "direct", causal, bias_kind), causal)
+    check = check_gluon_dq if what == "dq" else check_gluon_dkdv
+    check(operands(*shape, "direct", causal, bias_kind), causal)
 
 
 @pytest.mark.parametrize("d", [64, 128])
