@@ -156,10 +156,13 @@ def quantize_blockwise(x: torch.Tensor, dtype: torch.dtype = E4M3) -> tuple[torc
     Returns the codes, same shape, and float32 scales ``[B, H, scale_blocks(N)]``.
     """
     fmax = E4M3_MAX if dtype == E4M3 else E5M2_MAX
-    xb, n = _block_view(x.float(), SCALE_BLOCK)
-    scale = _amax_scale(xb.abs().amax(dim=(-2, -1)), fmax)
-    codes = _cast(xb / scale[..., None, None], dtype, fmax).flatten(-3, -2)[..., :n, :]
-    return codes, scale
+    x = x.float()
+    # Tokens' amaxes first, blocks of those after: only the [..., N] amaxes are padded.
+    # (Padding x itself, as _block_view does, made Inductor 2.11 fail an assertion when
+    # compiling this in a backward graph with dynamic shapes.)
+    token_amax, _ = _block_view(x.abs().amax(dim=-1, keepdim=True), SCALE_BLOCK)
+    scale = _amax_scale(token_amax.amax(dim=(-2, -1)), fmax)
+    return _cast(x / expand_block_scale(scale, x.shape[-2])[..., None], dtype, fmax), scale
 
 
 def quantize_q(q: torch.Tensor, sm_scale) -> tuple[torch.Tensor, torch.Tensor]:
