@@ -12,7 +12,9 @@ assumes a slower fallback than the user would get.  Training (fwd+bwd, from
 the same SDPA backends.  Masked sites (``--masked``, from
 ``benchmarks/lab/explore_masked_sites.py``): key padding and sliding windows, keyed by
 the site's mask kind; low precision is what the backend runs (quantization counted), BF16
-is SDPA on the dense boolean mask, which is what such a site falls back to.
+is SDPA on the dense boolean mask, which is what such a site falls back to.  Padded
+training (``--masked-training``, from ``benchmarks/lab/explore_padded_training.py
+--compile``): the compiled fwd + bwd with key padding, the same way.
 """
 
 from __future__ import annotations
@@ -44,32 +46,43 @@ def _add_rates(rates, rows, paths, mode):
                 rates[name][key][str(row["n"])] = round(max(best, row["tflops"]), 1)
 
 
-def _add_masked_rates(rates, rows):
-    """explore_masked_sites.py's rows, in the FLOPs the policy counts for the site (its
-    causal structure's, not the padding's): keyed like ``SiteShape.table_key``, left and
-    right padding sharing a key, the slower of them for low precision and the faster
-    for BF16, so the policy never credits the better case."""
+# What a masked row's low-precision rate is read from: the forward with its quantization
+# (explore_masked_sites.py), the compiled training step on the shipped kernels
+# (explore_padded_training.py, whose Gluon variant is what ships).
+MASKED_OURS = {"fwd": "ours_with_quant", "train": "gluon_key_bias"}
+
+
+def _add_masked_rates(rates, rows, mode):
+    """explore_masked_sites.py's (``mode`` "fwd") or explore_padded_training.py's
+    ("train") rows, in the FLOPs the policy counts for the site (its causal structure's,
+    not the padding's): keyed like ``SiteShape.table_key``, left and right padding
+    sharing a key, the slower of them for low precision and the faster for BF16, so the
+    policy never credits the better case."""
     for row in rows:
-        key = f"d{row['d']}/{'causal' if row['causal'] else 'full'}/fwd/{row['mask_kind'].split(' ')[0]}"
-        for path, name, pick in (("fp8", "ours_with_quant", min), ("bf16", "sdpa_bf16_dense_mask", max)):
+        key = f"d{row['d']}/{'causal' if row['causal'] else 'full'}/{mode}/{row['mask_kind'].split(' ')[0]}"
+        for path, name, pick in (("fp8", MASKED_OURS[mode], min), ("bf16", "sdpa_bf16_dense_mask", max)):
             rate = round(row[f"{name}_table_tflops"], 1)
             old = rates[path][key].get(str(row["n"]))
             rates[path][key][str(row["n"])] = rate if old is None else pick(old, rate)
 
 
-def main(forward: str, *training: str, masked: tuple[str, ...] = ()) -> None:
+def main(forward: str, *training: str, masked: tuple[str, ...] = (), masked_training: tuple[str, ...] = ()) -> None:
     """``training``: ``bench_attention.py --training`` JSONs (causal, and non-causal with
     ``--non-causal``); their rows are keyed by their own causality.  ``masked``:
-    ``explore_masked_sites.py`` JSONs."""
+    ``explore_masked_sites.py`` JSONs; ``masked_training``: ``explore_padded_training.py
+    --compile`` JSONs."""
     docs = [("fwd", forward, json.loads(Path(forward).read_text()))]
     docs += [("train", path, json.loads(Path(path).read_text())) for path in training]
     rates: dict = defaultdict(lambda: defaultdict(dict))
     for mode, _, doc in docs:
         _add_rates(rates, doc["results"], PATHS if mode == "fwd" else TRAINING_PATHS, mode)
-    for path in masked:
-        doc = json.loads(Path(path).read_text())
-        _add_masked_rates(rates, doc["rows"])
-        docs.append(("masked", path, {"env": doc["environment"]}))
+    for mode, paths in (("fwd", masked), ("train", masked_training)):
+        for path in paths:
+            doc = json.loads(Path(path).read_text())
+            if mode == "train" and not doc["compiled"]:
+                raise SystemExit(f"{path}: an eager run; the table prices the compiled step (--compile)")
+            _add_masked_rates(rates, doc["rows"], mode)
+            docs.append(("masked", path, {"env": doc["environment"]}))
     gpu = docs[0][2]["env"]["device"]
     table = {
         "gpu": gpu,
@@ -89,5 +102,6 @@ if __name__ == "__main__":
     ap.add_argument("forward", help="bench_attention.py's forward JSON")
     ap.add_argument("training", nargs="*", help="bench_attention.py --training JSONs (causal, non-causal)")
     ap.add_argument("--masked", nargs="*", default=[], help="explore_masked_sites.py JSONs")
+    ap.add_argument("--masked-training", nargs="*", default=[], help="explore_padded_training.py --compile JSONs")
     args = ap.parse_args()
-    main(args.forward, *args.training, masked=tuple(args.masked))
+    main(args.forward, *args.training, masked=tuple(args.masked), masked_training=tuple(args.masked_training))

@@ -164,3 +164,45 @@ def test_masked_sites_get_rates_by_mask_kind(tmp_path, monkeypatch, fresh_seed):
     assert offset.path == "bf16" and "no rate" in offset.reason
     shorter = policy.cost_model_decision(dataclasses.replace(shape, nq=4096, nk=4096), "fp8", table, "Test GPU")
     assert shorter.path == "bf16" and "no rate" in shorter.reason  # masked keys: never below the shortest measured
+
+
+def test_padded_training_gets_rates_by_mask_kind(tmp_path, monkeypatch, fresh_seed):
+    """``--masked-training``: explore_padded_training.py's compiled rows keyed as training
+    sites with their mask kind, the shipped (Gluon) variant the low-precision rate, which a
+    key-padded training site then finds; an eager run is refused."""
+    rng = random.Random(fresh_seed)
+    right, left, sdpa_a, sdpa_b = (rng.uniform(100, 900) for _ in range(4))
+    forward = tmp_path / "forward.json"
+    forward.write_text(json.dumps(_doc([_row("ours-direct+quant", 128, 4096, False, 800.0),
+                                        _row("sdpa-cudnn-bf16", 128, 4096, False, 600.0)], "2026-01-01")))
+
+    def row(side, ours, sdpa):
+        return {"d": 64, "n": 4096, "causal": True, "mask": side, "mask_kind": "causal+padding",
+                "gluon_key_bias_table_tflops": ours, "sdpa_bf16_dense_mask_table_tflops": sdpa,
+                "skipping_table_tflops": 5000.0}  # not what ships
+
+    padded = tmp_path / "padded.json"
+    env = {"device": "Test GPU", "date": "2026-01-05", "torch": "test"}
+    padded.write_text(json.dumps({"environment": env, "compiled": True,
+                                  "rows": [row("right", right, sdpa_a), row("left", left, sdpa_b)]}))
+    out = tmp_path / "tables" / "test_gpu.json"
+    monkeypatch.setattr(policy, "table_path", lambda gpu: out)
+
+    _script("cost_table").main(str(forward), masked_training=(str(padded),))
+
+    doc = json.loads(out.read_text())
+    assert "2026-01-05" in doc["source"]
+    assert doc["tflops"]["fp8"]["d64/causal/train/causal+padding"] == {"4096": round(min(right, left), 1)}
+    assert doc["tflops"]["bf16"]["d64/causal/train/causal+padding"] == {"4096": round(max(sdpa_a, sdpa_b), 1)}
+    table = policy.CostTable.from_json(out.read_text())
+    shape = policy.SiteShape(b=4, h=32, hkv=8, nq=4096, nk=4096, d=64, causal=True, training=True,
+                             mask="causal+padding")
+    decision = policy.cost_model_decision(shape, "fp8", table, "Test GPU")
+    wants_fp8 = table.speedup(shape, "fp8") >= policy.MIN_SPEEDUP
+    assert decision.path == ("fp8" if wants_fp8 else "bf16") and decision.predicted_speedup is not None
+    assert policy.cost_model_decision(dataclasses.replace(shape, training=False), "fp8", table,
+                                      "Test GPU").path == "bf16"  # the forward's key was not measured
+
+    padded.write_text(json.dumps({"environment": env, "compiled": False, "rows": [row("right", right, sdpa_a)]}))
+    with pytest.raises(SystemExit, match="eager"):
+        _script("cost_table").main(str(forward), masked_training=(str(padded),))

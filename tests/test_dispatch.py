@@ -120,15 +120,16 @@ def test_key_rows_index_the_bias_of_each_batch_and_head(shape, row_b, row_h):
     assert not key_bias.key_row_bias(torch.randn(b, 2, 1, nk), b, h, nq, nk)  # does not broadcast
 
 
-@pytest.mark.parametrize("staged", [False, True], ids=["off", "staged-on"])
-def test_gluon_backward_scope_and_key_bias(staged, monkeypatch):
+@pytest.mark.parametrize("key_bias", [False, True], ids=["off", "on"])
+def test_gluon_backward_scope_and_key_bias(key_bias, monkeypatch):
     """The Gluon dQ and dK/dV kernels take no bias, and a key-row bias only with their
-    staged ``KEY_BIAS`` on; a bias that varies over queries never (the Triton kernels)."""
+    ``KEY_BIAS`` on (shipped on); a bias that varies over queries never (the Triton kernels)."""
     DQ = pytest.importorskip("fp4_inductor.kernels.gluon.attention_bwd_dq")  # a Triton with Gluon
     DKDV = pytest.importorskip("fp4_inductor.kernels.gluon.attention_bwd_dkdv")
 
-    monkeypatch.setattr(DQ, "KEY_BIAS", staged)
-    monkeypatch.setattr(DKDV, "KEY_BIAS", staged)
+    assert DQ.KEY_BIAS and DKDV.KEY_BIAS  # what ships
+    monkeypatch.setattr(DQ, "KEY_BIAS", key_bias)
+    monkeypatch.setattr(DKDV, "KEY_BIAS", key_bias)
     b, h, hkv, n, d = 2, 4, 2, 256, 128
     e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
     q, k = torch.empty(b, h, n, d, dtype=torch.int8), torch.empty(b, hkv, n, d, dtype=torch.int8)
@@ -153,5 +154,5 @@ def test_gluon_backward_scope_and_key_bias(staged, monkeypatch):
 
     for takes in (dq_takes, dkdv_takes):
         assert takes(None)
-        assert takes(key_row) is staged
+        assert takes(key_row) is key_bias
         assert not takes(dense)
