@@ -67,6 +67,7 @@ def rel_l2(a, b):
 
 def main(ns, compiled):
     doc = {"environment": C.environment(), "compiled": compiled, "rows": []}
+    name = "explore_padded_training_compiled_h200.json" if compiled else "explore_padded_training_h200.json"
     for d in (128, 64):
         for n in ns:
             for causal, side in tqdm(SIDES, desc=f"D {d} N {n}"):
@@ -111,9 +112,8 @@ def main(ns, compiled):
                     row[f"{name}_kernel_speedup"] = row["all_tiles_kernel_ms"] / row[f"{name}_kernel_ms"]
                     row[f"sdpa_over_{name}_kernels"] = row["sdpa_bf16_dense_mask_kernel_ms"] / row[f"{name}_kernel_ms"]
                 doc["rows"].append(row)
+                C.save(doc, os.path.join(C.RESULTS, "lab", name))  # each row: a run cut short keeps its rows
                 del q, k, v, dout, grads, mask
-    name = "explore_padded_training_compiled_h200.json" if compiled else "explore_padded_training_h200.json"
-    C.save(doc, os.path.join(C.RESULTS, "lab", name))
     print(f"{'D':>4s} {'N':>6s} {'causal':>6s} {'mask':>6s} {'vis':>5s}  kernel ms: all tiles / skipping / Gluon"
           f" / SDPA-dense-mask  SDPA over skipping, Gluon  Gluon ran  grad diff: skipping (max), Gluon (rel-L2)")
     for r in doc["rows"]:
