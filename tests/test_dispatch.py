@@ -75,8 +75,8 @@ def test_gluon_failure_falls_back_to_triton_once(launched):
     assert launched == ["break gluon", "triton", "triton"]
 
 
-@pytest.mark.parametrize("hook,launch,n_args,what", [("_gluon_dq", "dq_backward", 14, "dQ"),
-                                                     ("_gluon_dkdv", "dkdv_backward", 16, "dK/dV")])
+@pytest.mark.parametrize("hook,launch,n_args,what", [("_gluon_dq", "dq_backward", 15, "dQ"),
+                                                     ("_gluon_dkdv", "dkdv_backward", 17, "dK/dV")])
 def test_gluon_backward_failure_leaves_it_to_triton_once(hook, launch, n_args, what, monkeypatch):
     """A failing Gluon backward kernel warns once and returns False (the Triton kernel then
     runs), and is not tried again; outside its scope it is not tried at all."""
@@ -156,3 +156,51 @@ def test_gluon_backward_scope_and_key_bias(key_bias, monkeypatch):
         assert takes(None)
         assert takes(key_row) is key_bias
         assert not takes(dense)
+
+
+@pytest.mark.parametrize("gluon_takes", [True, False], ids=["gluon", "triton"])
+def test_backward_kernels_share_one_key_rows(gluon_takes, monkeypatch, fresh_seed):
+    """With a key-row bias the backward launcher builds one ``KeyRows`` and hands it to both
+    Gluon hooks: one copy of the rows and one tile-ranges launch a call, whichever kernels
+    run (the Triton ones, when the hooks decline, ask the same object)."""
+    from fp4_inductor import formats as F
+    from fp4_inductor.kernels.triton import attention_bwd, key_bias
+
+    torch.manual_seed(fresh_seed)
+    b, h, n, d = 2, 2, 256, 64
+    ranges_launched = []
+
+    def tile_ranges(rows, block_n):
+        ranges_launched.append(block_n)
+        return torch.zeros(rows.shape[0], 4, dtype=torch.int32)
+
+    class NoLaunch:  # a jitted kernel whose launches do nothing
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: None
+
+    monkeypatch.setattr(key_bias, "tile_ranges", tile_ranges)
+    monkeypatch.setattr(attention_bwd, "_transpose_all", lambda pairs: None)
+    for name in ("_bwd_dq_kernel", "_bwd_dkdv_kernel"):
+        monkeypatch.setattr(attention_bwd, name, NoLaunch())
+    seen = []
+
+    def hook(*args):
+        seen.append(args[-1])
+        if gluon_takes:
+            key_bias.launch_rows(args[-1], F.KEY_TILE, args[0])
+        return gluon_takes
+
+    keep = torch.arange(n) < torch.tensor([[n], [n // 2]])
+    e4m3, e5m2 = F.E4M3, F.E5M2
+    q8, k8 = (torch.randint(-127, 128, (b, h, n, d), dtype=torch.int8) for _ in range(2))
+    v_t, qe, ke = (torch.randn(*shape).to(e4m3) for shape in ((b, h, d, n), (b, h, n, d), (b, h, n, d)))
+    do8 = torch.randn(b, h, n, d).to(e5m2)
+    rows = [torch.rand(b, h, n) for _ in range(3)]
+    blocks = torch.rand(b, h, F.scale_blocks(n))
+    grads = [torch.empty(b, h, n, d, dtype=torch.bfloat16) for _ in range(3)]
+    attention_bwd.attention_backward(
+        do8, torch.rand(b, h), rows[0], q8, k8, v_t, rows[1], blocks, torch.rand(b, h), qe, blocks, ke, blocks,
+        F.mask_to_log2_bias(None, keep), rows[2], True, "direct", *grads, dq_kernel=hook, dkdv_kernel=hook)
+
+    assert len(seen) == 2 and isinstance(seen[0], key_bias.KeyRows) and seen[0] is seen[1]
+    assert ranges_launched == [F.KEY_TILE]

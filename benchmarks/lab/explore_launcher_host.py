@@ -1,6 +1,6 @@
 """The backward launcher's own Python time a call, on any machine (no GPU needed).
 
-    python benchmarks/explore_launcher_host.py [--calls 300] [--profile] [--cuda]
+    python benchmarks/explore_launcher_host.py [--calls 300] [--profile] [--cuda] [--key-padding]
 
 Runs ``kernels.triton.attention_backward`` with the Gluon dQ and dK/dV hooks on CPU
 tensors (B=1, H=2, N=128, D=128, causal, P mode direct; the host work does not depend on
@@ -9,6 +9,9 @@ a no-op: what remains is our launcher's Python (checks, descriptors, layouts, vi
 its few small aten ops.  ``--cuda`` runs the same calls on a GPU with the real launches
 (B=1, H=2, N=4096), so Triton's JIT dispatch is in the time: the calls are queued without
 a sync and their kernels take less than the host, so the time is the host's.
+``--key-padding`` gives the call a key-padding bias (the second sequence keeps half its
+keys), what a padded fine-tuning batch's backward runs: the key-row tile ranges join the
+launches.
 ``--profile`` prints cProfile's top entries, here all on one thread (in a training step
 the backward runs on autograd's own thread, which cProfile does not follow reliably).
 """
@@ -27,9 +30,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: common
 from explore_backward import bwd_operands  # noqa: E402
 
+from fp4_inductor import formats as F  # noqa: E402
 from fp4_inductor import kernels  # noqa: E402
 from fp4_inductor.kernels.gluon import attention_bwd_dkdv, attention_bwd_dq  # noqa: E402
-from fp4_inductor.kernels.triton import attention_bwd  # noqa: E402
+from fp4_inductor.kernels.triton import attention_bwd, key_bias  # noqa: E402
 
 
 class NoLaunch:
@@ -48,17 +52,25 @@ def main():
     ap.add_argument("--calls", type=int, default=300)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--cuda", action="store_true", help="real launches on the GPU")
+    ap.add_argument("--key-padding", action="store_true", help="a key-padding bias")
     args = ap.parse_args()
+    b, n = 2, 4096 if args.cuda else 256
     if args.cuda:
-        _, operands = bwd_operands(1, 2, 4096, 128, device="cuda")
+        _, operands = bwd_operands(b, 2, n, 128, device="cuda")
     else:
         attention_bwd._transpose_kernel = attention_bwd_dq._dq_ws = attention_bwd_dkdv._dkdv_ws = NoLaunch()
-        _, operands = bwd_operands(1, 2, 128, 128, device="cpu")
+        key_bias._tile_ranges = NoLaunch()
+        _, operands = bwd_operands(b, 2, n, 128, device="cpu")
+    bias = None
+    if args.key_padding:
+        keep = torch.arange(n, device=operands[0].device) < torch.tensor([[n], [n // 2]], device=operands[0].device)
+        bias = F.mask_to_log2_bias(None, keep)
+        operands = (*operands[:13], bias, *operands[14:])
     taken = []
 
     def hook(name):
         def run(*hook_args):
-            taken.append(getattr(kernels, name)(*hook_args, bias=None, p_mode="direct"))
+            taken.append(getattr(kernels, name)(*hook_args, bias=bias, p_mode="direct"))
             return taken[-1]
         return run
 

@@ -143,19 +143,20 @@ def backward_kernel(q: torch.Tensor, p_mode: str):
 
 
 def _gluon_dq(do, do_scale, delta, q, k, v, q_scale, k_scale, v_scale, ke_t, ke_scale, row_ref, causal, dq,
-              bias, p_mode) -> bool:
-    """dQ by the Gluon kernel where it applies; False leaves it to the Triton kernel."""
+              key_rows, bias, p_mode) -> bool:
+    """dQ by the Gluon kernel where it applies; False leaves it to the Triton kernel.
+    ``key_rows``: the Triton launcher's ``KeyRows`` of ``bias`` (shared by the call's kernels)."""
     return _run_gluon("attention_bwd_dq", "dQ", "dq_backward",
                       (do, delta, q, k, v, q_scale, ke_t, k_scale, ke_scale, row_ref, bias, p_mode, dq),
                       (do, do_scale, delta, q, k, v, q_scale, k_scale, v_scale, ke_t, ke_scale, row_ref, causal, dq,
-                       bias))
+                       key_rows))
 
 
 def _gluon_dkdv(do, do_t, do_scale, delta, q, qe_t, qe_scale, k, v, q_scale, k_scale, v_scale, row_ref, causal, dk,
-                dv, bias, p_mode) -> bool:
+                dv, key_rows, bias, p_mode) -> bool:
     """dK and dV by the Gluon kernel where it applies; False leaves them to the Triton kernel."""
     args = (do, do_t, do_scale, delta, q, qe_t, qe_scale, k, v, q_scale, k_scale, v_scale, row_ref, causal, dk, dv)
-    return _run_gluon("attention_bwd_dkdv", "dK/dV", "dkdv_backward", args + (bias, p_mode), args + (bias,))
+    return _run_gluon("attention_bwd_dkdv", "dK/dV", "dkdv_backward", args + (bias, p_mode), args + (key_rows,))
 
 
 def _backward(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale, qe, qe_scale, ke, ke_scale, bias, row_ref,

@@ -333,13 +333,14 @@ def supports(do, do_t, do_scale, delta, q, qe_t, qe_scale, k, v, q_scale, k_scal
 
 
 def dkdv_backward(do, do_t, do_scale, delta, q, qe_t, qe_scale, k, v, q_scale, k_scale, v_scale, row_ref, causal,
-                  dk, dv, bias=None):
+                  dk, dv, key_rows=None):
     """dK, dV into ``dk``, ``dv`` [B, Hkv, Nk, D] (one stride set for both).  ``v`` is V
-    row-major [B, Hkv, Nk, D]; ``do_t``, ``qe_t`` token-major; the rest as
+    row-major [B, Hkv, Nk, D]; ``do_t``, ``qe_t`` token-major; ``key_rows`` the call's
+    ``key_bias.KeyRows`` (a key-row bias) or None; the rest as
     ``reference.attention_backward``, float32 scales and rows."""
     b, h, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
-    bias_rows, ranges, row_b, row_h = launch_rows(bias, b, h, nq, nk, BLOCK_N, row_ref)
+    bias_rows, ranges, row_b, row_h = launch_rows(key_rows, BLOCK_N, row_ref)
     bm = F.ds_block_dk(d)[0]  # queries per step = the queries of one dS scale
     kv_block = [1, 1, BN_LOAD, d]
     k_desc = TensorDescriptor.from_tensor(k, kv_block, _layout(kv_block, gl.int8))
@@ -353,7 +354,7 @@ def dkdv_backward(do, do_t, do_scale, delta, q, qe_t, qe_scale, k, v, q_scale, k
         _token_major_desc(qe_t, bm, gl.float8e4nv), row_desc,
         k_scale, v_scale, do_scale, qe_scale, dk, dv, bias_rows, ranges,
         *dk.stride(), k_scale.stride(1), qe_scale.stride(1), row_b, row_h, h, hkv, nq, nk, nq_pad,
-        HEAD_DIM=d, CAUSAL=bool(causal), KEY_BIAS=bias is not None, **consts, **launch)
+        HEAD_DIM=d, CAUSAL=bool(causal), KEY_BIAS=key_rows is not None, **consts, **launch)
 
 
 def compile_for_sm90(d: int, causal: bool, key_bias: bool = False):

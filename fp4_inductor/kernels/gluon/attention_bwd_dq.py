@@ -282,14 +282,15 @@ def supports(do, delta, q, k, v, q_scale, ke_t, k_scale, ke_scale, row_ref, bias
 
 
 def dq_backward(do, do_scale, delta, q, k, v, q_scale, k_scale, v_scale, ke_t, ke_scale, row_ref, causal, dq,
-                bias=None):
+                key_rows=None):
     """dQ (as ``ke_scale`` scales it: ``ops.attention_bwd``) into ``dq`` [B, H, Nq, D]
     for the calls (strides included) that ``supports`` accepts.  ``v`` is V row-major
-    [B, Hkv, Nk, D], ``ke_t`` the token-major E4M3 K [B, Hkv, D, Nk]; the rest as
+    [B, Hkv, Nk, D], ``ke_t`` the token-major E4M3 K [B, Hkv, D, Nk], ``key_rows`` the
+    call's ``key_bias.KeyRows`` (a key-row bias) or None; the rest as
     ``reference.attention_backward``, float32 scales and rows."""
     b, h, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
-    bias_rows, ranges, row_b, row_h = launch_rows(bias, b, h, nq, nk, BLOCK_N, row_ref)
+    bias_rows, ranges, row_b, row_h = launch_rows(key_rows, BLOCK_N, row_ref)
     q_block = [1, 1, BM_WG, d]
     q_desc = TensorDescriptor.from_tensor(q, q_block, _layout(q_block, gl.int8))
     do_desc = TensorDescriptor.from_tensor(do, q_block, _layout(q_block, gl.float8e5))
@@ -299,7 +300,7 @@ def dq_backward(do, do_scale, delta, q, k, v, q_scale, k_scale, v_scale, ke_t, k
         _token_major_desc(ke_t, BLOCK_N, gl.float8e4nv),
         q_scale, k_scale, ke_scale, do_scale.reshape(-1), v_scale.reshape(-1), delta, row_ref, dq, bias_rows, ranges,
         *dq.stride(), k_scale.stride(0), row_b, row_h, h, h // hkv, nq, nk,
-        HEAD_DIM=d, CAUSAL=bool(causal), KEY_BIAS=bias is not None, **_CONSTEXPRS, **_LAUNCH)
+        HEAD_DIM=d, CAUSAL=bool(causal), KEY_BIAS=key_rows is not None, **_CONSTEXPRS, **_LAUNCH)
 
 
 def compile_for_sm90(d: int, causal: bool, key_bias: bool = False):

@@ -51,7 +51,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ... import formats as F
-from ..triton.key_bias import key_row_bias, launch_rows
+from ..triton.key_bias import KeyRows, key_row_bias, launch_rows
 
 BLOCK_N = F.KEY_TILE
 BM_WG = 64  # query rows per consumer warpgroup (two per program)
@@ -544,7 +544,7 @@ def attention_forward(q, k, v_t, q_scale, k_scale, v_scale, bias, causal, p_mode
     assert supports(q, k, v_t, q_scale, bias, p_mode, lse, row_ref)
     b, h, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
-    bias_rows, ranges, row_b, row_h = launch_rows(bias, b, h, nq, nk, BLOCK_N, q_scale)
+    bias_rows, ranges, row_b, row_h = launch_rows(KeyRows.of(bias, b, h, nq, nk), BLOCK_N, q_scale)
     q_block, k_block, v_block = [1, BM_WG, d], [BLOCK_N // 16, 2, 4, 2, d], [1, d, BLOCK_N]
     q_desc = TensorDescriptor.from_tensor(q.view(b * h, nq, d), q_block, _layout(q_block, gl.int8))
     # K as [16-key chunks of all heads, jl, q, b, D]: see _key_order.

@@ -496,10 +496,11 @@ def attention_backward(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale
     [B, Hkv, Nk, D] and ``dv`` [B, Hkv, Nk, Dv] (any strides).  Arguments as
     ``reference.attention_backward``.
     ``dq_kernel(do, do_scale, delta, q, k, v, q_scale, k_scale, v_scale, ke_t, ke_scale,
-    row_ref, causal, dq)`` (``v`` row-major, ``ke_t`` token-major) computes dQ in place of
-    the Triton dQ kernel when it returns True (not asked with ``debug`` or ``emulate``);
-    ``dkdv_kernel(do, do_t, do_scale, delta, q, qe_t, qe_scale, k, v, q_scale, k_scale,
-    v_scale, row_ref, causal, dk, dv)`` likewise for dK and dV.
+    row_ref, causal, dq, key_rows)`` (``v`` row-major, ``ke_t`` token-major, ``key_rows``
+    the call's ``key_bias.KeyRows`` or None) computes dQ in place of the Triton dQ kernel
+    when it returns True (not asked with ``debug`` or ``emulate``); ``dkdv_kernel(do, do_t,
+    do_scale, delta, q, qe_t, qe_scale, k, v, q_scale, k_scale, v_scale, row_ref, causal,
+    dk, dv, key_rows)`` likewise for dK and dV.
     ``config`` overrides CONFIG; ``debug`` = (p, dp, ds) float32 [B, H, Nq, Nk] buffers
     receive the dK/dV kernel's P and dP (scaled) and the dQ kernel's dequantized dS
     (tests; the dK/dV kernel's dS follows from its P and dP).  ``emulate=True`` runs the
@@ -529,14 +530,12 @@ def attention_backward(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale
     v = v_t.new_empty(b, hkv, nk, dv_dim)
     _transpose_all([(do, do_t), (qe, qe_t), (ke, ke_t), (v_t, v)])
 
-    bias_mode, bias_arg, bias_strides = 0, row_ref, (0, 0, 0, 0)  # bias_arg never read when mode 0
-    skip = None
+    bias_mode, bias_arg, bias_strides, key_rows = 0, row_ref, (0, 0, 0, 0), None  # bias_arg: unread in mode 0
     if bias is not None:
         bias_arg = bias.float().expand(b, h, nq, nk)
         bias_strides = bias_arg.stride()
         bias_mode = 1 if bias_strides[2] == 0 or nq == 1 else 2  # as the forward's
-        skip = key_bias.skip_ranges(bias_arg, b, h, nq, nk, BLOCK_N)  # mode 1 only
-    ranges, range_b, range_h = skip or (row_ref, 0, 0)  # row_ref: never read without skipping
+        key_rows = key_bias.KeyRows.of(bias_arg, b, h, nq, nk)  # mode 1; shared with the hooks' kernels
     dbg = debug if debug is not None else (row_ref,) * 3
     if debug is not None:
         assert len(debug) == 3 and all(t.is_contiguous() and t.shape == (b, h, nq, nk) and t.dtype == torch.float32
@@ -545,16 +544,23 @@ def attention_backward(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale
     consts = dict(D_QK=d, D_V=dv_dim, HEAD_DIM=F.kernel_head_dim(d), HEAD_DIM_V=F.kernel_head_dim(dv_dim),
                   BLOCK_N=BLOCK_N, P_MODE=_P_MODE_ID[p_mode], CAUSAL=bool(causal),
                   WINDOWED=bool(causal and window), BIAS_MODE=bias_mode, EMULATE=emulate, DEBUG=debug is not None,
-                  SKIP_MASKED=skip is not None, **OPTIONS)
+                  **OPTIONS)
     structure = (diagonal if causal else 0, window if causal else 0)
     consts.update(options or {})
     cfg = dict(CONFIG, **(config or {}))
     common_tail = (*bias_strides, *row_ref.stride())
 
+    def skip_args():
+        """The Triton kernels' tile ranges, made when the first of them launches."""
+        skip = key_bias.skip_ranges(key_rows, BLOCK_N)
+        ranges, range_b, range_h = skip or (row_ref, 0, 0)  # row_ref: never read without skipping
+        return (ranges, range_b, range_h), dict(consts, SKIP_MASKED=skip is not None)
+
     hooks = debug is None and not emulate
     if not (hooks and dkdv_kernel is not None
             and dkdv_kernel(do, do_t, do_scale, delta, q, qe_t, qe_scale, k, v, q_scale, k_scale, v_scale, row_ref,
-                            causal, dk, dv)):
+                            causal, dk, dv, key_rows)):
+        (ranges, range_b, range_h), kconsts = skip_args()
         warps, stages = cfg["dkdv"]
         _bwd_dkdv_kernel[(triton.cdiv(nk, BLOCK_N), b * hkv)](
             do, do_t, do_scale, delta, q, k, v, q_scale, k_scale, v_scale, qe_t, qe_scale, bias_arg, ranges, row_ref,
@@ -562,19 +568,20 @@ def attention_backward(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale
             *do.stride(), *do_t.stride(), *do_scale.stride(), *delta.stride(), *q.stride(), *k.stride(), *v.stride(),
             *q_scale.stride(), *k_scale.stride(), *v_scale.stride(), *qe_t.stride(), *qe_scale.stride(),
             *common_tail, *dk.stride(), *dv.stride(),
-            range_b, range_h, h, hkv, h // hkv, nq, nk, *structure, BLOCK_M=F.ds_block_dk(d)[0], **consts,
+            range_b, range_h, h, hkv, h // hkv, nq, nk, *structure, BLOCK_M=F.ds_block_dk(d)[0], **kconsts,
             num_warps=warps, num_stages=stages,
         )
 
-    if hooks and dq_kernel is not None \
-            and dq_kernel(do, do_scale, delta, q, k, v, q_scale, k_scale, v_scale, ke_t, ke_scale, row_ref, causal, dq):
+    if hooks and dq_kernel is not None and dq_kernel(do, do_scale, delta, q, k, v, q_scale, k_scale, v_scale, ke_t,
+                                                     ke_scale, row_ref, causal, dq, key_rows):
         return
+    (ranges, range_b, range_h), kconsts = skip_args()
     warps, stages = cfg["dq"]
     _bwd_dq_kernel[(triton.cdiv(nq, BLOCK_M_DQ), b * h)](
         do, do_scale, delta, q, k, v, q_scale, k_scale, v_scale, ke_t, ke_scale, bias_arg, ranges, row_ref, dq, dbg[2],
         *do.stride(), *do_scale.stride(), *delta.stride(), *q.stride(), *k.stride(), *v.stride(),
         *q_scale.stride(), *k_scale.stride(), *v_scale.stride(), *ke_t.stride(), *ke_scale.stride(),
         *common_tail, *dq.stride(),
-        range_b, range_h, h, hkv, h // hkv, nq, nk, *structure, BLOCK_M=BLOCK_M_DQ, **consts, num_warps=warps,
+        range_b, range_h, h, hkv, h // hkv, nq, nk, *structure, BLOCK_M=BLOCK_M_DQ, **kconsts, num_warps=warps,
         num_stages=stages,
     )

@@ -519,7 +519,7 @@ def attention_forward(q, k, v_t, q_scale, k_scale, v_scale, bias, causal, p_mode
         bias_arg = bias.float().expand(b, h, nq, nk)
         bias_strides = bias_arg.stride()
         bias_mode = 1 if bias_strides[2] == 0 or nq == 1 else 2
-        skip = key_bias.skip_ranges(bias_arg, b, h, nq, nk, BLOCK_N)  # mode 1 only
+        skip = key_bias.skip_ranges(key_bias.KeyRows.of(bias_arg, b, h, nq, nk), BLOCK_N)  # mode 1 only
     ranges, range_b, range_h = skip or (lse, 0, 0)  # lse: never read without skipping
 
     emulate = _emulate()

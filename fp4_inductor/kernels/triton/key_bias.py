@@ -82,24 +82,47 @@ def _tile_ranges(rows_ptr, out_ptr, NK, TILES, MASKED: tl.constexpr, BN: tl.cons
     tl.store(out_ptr + r * 4 + i, tl.where(i == 0, lo, tl.where(i == 1, hi, tl.where(i == 2, z_lo, z_hi))))
 
 
-def launch_rows(bias, b: int, h: int, nq: int, nk: int, block_n: int, placeholder: torch.Tensor):
-    """What a kernel taking a key-row bias is launched with: (``key_rows``' rows, their
-    ``tile_ranges`` in tiles of ``block_n`` keys, row_b, row_h); without a bias
-    ``placeholder`` stands for both tensors (never read)."""
-    if bias is None:
+class KeyRows:
+    """One call's key-row bias as its kernels read it: ``key_rows``' rows, and their
+    ``tile_ranges`` per tile size, each launched when a kernel first asks for it.  A
+    backward builds one and hands it to the kernels it launches (Gluon or Triton, dQ and
+    dK/dV), which share one copy of the rows and one ranges launch (three of each before).
+    Per call, never cached across calls: under CUDA graphs the bias is new data in the
+    same tensor at each replay."""
+
+    def __init__(self, bias: torch.Tensor, b: int, h: int, nq: int, nk: int):
+        found = key_rows(bias, b, h, nq, nk)
+        if found is None:
+            raise ValueError("the bias varies over queries: not a key-row bias")
+        self.rows, self.row_b, self.row_h = found
+        self._ranges: dict[int, torch.Tensor] = {}
+
+    @classmethod
+    def of(cls, bias, b: int, h: int, nq: int, nk: int) -> "KeyRows | None":
+        """The call's key rows, or None without a key-row bias."""
+        return cls(bias, b, h, nq, nk) if bias is not None and key_row_bias(bias, b, h, nq, nk) else None
+
+    def ranges(self, block_n: int) -> torch.Tensor:
+        if block_n not in self._ranges:
+            self._ranges[block_n] = tile_ranges(self.rows, block_n)
+        return self._ranges[block_n]
+
+
+def launch_rows(rows: KeyRows | None, block_n: int, placeholder: torch.Tensor):
+    """What a kernel taking a key-row bias is launched with: (the rows, their tile ranges
+    in tiles of ``block_n`` keys, row_b, row_h); without one ``placeholder`` stands for
+    both tensors (never read)."""
+    if rows is None:
         return placeholder, placeholder, 0, 0
-    rows, row_b, row_h = key_rows(bias, b, h, nq, nk)
-    return rows, tile_ranges(rows, block_n), row_b, row_h
+    return rows.rows, rows.ranges(block_n), rows.row_b, rows.row_h
 
 
-def skip_ranges(bias: torch.Tensor, b: int, h: int, nq: int, nk: int, block_n: int):
+def skip_ranges(rows: KeyRows | None, block_n: int):
     """For the Triton kernels: ``(tile_ranges, row_b, row_h)`` of a key-row bias when they
     skip its wholly masked tiles (``TRITON_SKIPS_MASKED_TILES``), else None."""
-    found = key_rows(bias, b, h, nq, nk) if TRITON_SKIPS_MASKED_TILES else None
-    if found is None:
+    if rows is None or not TRITON_SKIPS_MASKED_TILES:
         return None
-    rows, row_b, row_h = found
-    return tile_ranges(rows, block_n), row_b, row_h
+    return rows.ranges(block_n), rows.row_b, rows.row_h
 
 
 @triton.jit
