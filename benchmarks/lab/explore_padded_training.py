@@ -67,7 +67,7 @@ def rel_l2(a, b):
 
 def main(ns, compiled):
     doc = {"environment": C.environment(), "compiled": compiled, "rows": []}
-    name = "explore_padded_training_compiled_h200.json" if compiled else "explore_padded_training_h200.json"
+    path = os.path.join(C.RESULTS, "lab", f"explore_padded_training{'_compiled' if compiled else ''}_h200.json")
     for d in (128, 64):
         for n in ns:
             for causal, side in tqdm(SIDES, desc=f"D {d} N {n}"):
@@ -112,7 +112,7 @@ def main(ns, compiled):
                     row[f"{name}_kernel_speedup"] = row["all_tiles_kernel_ms"] / row[f"{name}_kernel_ms"]
                     row[f"sdpa_over_{name}_kernels"] = row["sdpa_bf16_dense_mask_kernel_ms"] / row[f"{name}_kernel_ms"]
                 doc["rows"].append(row)
-                C.save(doc, os.path.join(C.RESULTS, "lab", name))  # each row: a run cut short keeps its rows
+                C.save(doc, path)  # each row: a run cut short keeps its rows
                 del q, k, v, dout, grads, mask
     print(f"{'D':>4s} {'N':>6s} {'causal':>6s} {'mask':>6s} {'vis':>5s}  kernel ms: all tiles / skipping / Gluon"
           f" / SDPA-dense-mask  SDPA over skipping, Gluon  Gluon ran  grad diff: skipping (max), Gluon (rel-L2)")
