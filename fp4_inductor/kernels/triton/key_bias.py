@@ -90,17 +90,15 @@ class KeyRows:
     Per call, never cached across calls: under CUDA graphs the bias is new data in the
     same tensor at each replay."""
 
-    def __init__(self, bias: torch.Tensor, b: int, h: int, nq: int, nk: int):
-        found = key_rows(bias, b, h, nq, nk)
-        if found is None:
-            raise ValueError("the bias varies over queries: not a key-row bias")
-        self.rows, self.row_b, self.row_h = found
+    def __init__(self, rows: torch.Tensor, row_b: int, row_h: int):
+        self.rows, self.row_b, self.row_h = rows, row_b, row_h
         self._ranges: dict[int, torch.Tensor] = {}
 
     @classmethod
     def of(cls, bias, b: int, h: int, nq: int, nk: int) -> "KeyRows | None":
-        """The call's key rows, or None without a key-row bias."""
-        return cls(bias, b, h, nq, nk) if bias is not None and key_row_bias(bias, b, h, nq, nk) else None
+        """The call's key rows (``key_rows``), or None without a key-row bias."""
+        found = None if bias is None else key_rows(bias, b, h, nq, nk)
+        return None if found is None else cls(*found)
 
     def ranges(self, block_n: int) -> torch.Tensor:
         if block_n not in self._ranges:
