@@ -117,6 +117,18 @@ def test_rescore_judges_the_timed_rows_with_the_shipped_table(tmp_path, monkeypa
     assert doc["env"]["table"] == "rebuilt" and doc["env"]["date"] == "2026-01-01T00:00:00" and "rescored" in doc["env"]
 
 
+def _table_with(tmp_path, monkeypatch, **masked):
+    """cost_table.main over a one-row forward JSON and ``masked`` (its ``masked`` or
+    ``masked_training`` files): the table it writes, as text."""
+    forward = tmp_path / "forward.json"
+    forward.write_text(json.dumps(_doc([_row("ours-direct+quant", 128, 4096, False, 800.0),
+                                        _row("sdpa-cudnn-bf16", 128, 4096, False, 600.0)], "2026-01-01")))
+    out = tmp_path / "tables" / "test_gpu.json"
+    monkeypatch.setattr(policy, "table_path", lambda gpu: out)
+    _script("cost_table").main(str(forward), **masked)
+    return out.read_text()
+
+
 def _masked_row(d, n, causal, mask, kind, ours, sdpa):
     return {"d": d, "n": n, "causal": causal, "mask": mask, "mask_kind": kind,
             "ours_with_quant_table_tflops": ours, "sdpa_bf16_dense_mask_table_tflops": sdpa,
@@ -129,9 +141,6 @@ def test_masked_sites_get_rates_by_mask_kind(tmp_path, monkeypatch, fresh_seed):
     finds for a key-padded site; a mask kind never measured keeps BF16."""
     rng = random.Random(fresh_seed)
     right, left, sdpa_a, sdpa_b, full, window = (rng.uniform(100, 900) for _ in range(6))
-    forward = tmp_path / "forward.json"
-    forward.write_text(json.dumps(_doc([_row("ours-direct+quant", 128, 4096, False, 800.0),
-                                        _row("sdpa-cudnn-bf16", 128, 4096, False, 600.0)], "2026-01-01")))
     masked = tmp_path / "masked.json"
     env = {"device": "Test GPU", "date": "2026-01-04", "torch": "test"}
     masked.write_text(json.dumps({"environment": env, "rows": [
@@ -140,19 +149,16 @@ def test_masked_sites_get_rates_by_mask_kind(tmp_path, monkeypatch, fresh_seed):
         _masked_row(128, 8192, False, "right", "padding", full, sdpa_a),
         _masked_row(128, 16384, True, "window", "window 4096", window, sdpa_b),
     ]}))
-    out = tmp_path / "tables" / "test_gpu.json"
-    monkeypatch.setattr(policy, "table_path", lambda gpu: out)
+    text = _table_with(tmp_path, monkeypatch, masked=(str(masked),))
 
-    _script("cost_table").main(str(forward), masked=(str(masked),))
-
-    doc = json.loads(out.read_text())
+    doc = json.loads(text)
     assert "2026-01-04" in doc["source"]
     assert doc["tflops"]["fp8"]["d128/causal/fwd/causal+padding"] == {"8192": round(min(right, left), 1)}
     assert doc["tflops"]["bf16"]["d128/causal/fwd/causal+padding"] == {"8192": round(max(sdpa_a, sdpa_b), 1)}
     assert doc["tflops"]["fp8"]["d128/full/fwd/padding"] == {"8192": round(full, 1)}
     assert doc["tflops"]["fp8"]["d128/causal/fwd/window"] == {"16384": round(window, 1)}
 
-    table = policy.CostTable.from_json(out.read_text())
+    table = policy.CostTable.from_json(text)
     shape = policy.SiteShape(b=2, h=16, hkv=16, nq=8192, nk=8192, d=128, causal=True, training=False,
                              mask="causal+padding")
     flops = shape.flops()
@@ -172,9 +178,6 @@ def test_padded_training_gets_rates_by_mask_kind(tmp_path, monkeypatch, fresh_se
     key-padded training site then finds; an eager run is refused."""
     rng = random.Random(fresh_seed)
     right, left, sdpa_a, sdpa_b = (rng.uniform(100, 900) for _ in range(4))
-    forward = tmp_path / "forward.json"
-    forward.write_text(json.dumps(_doc([_row("ours-direct+quant", 128, 4096, False, 800.0),
-                                        _row("sdpa-cudnn-bf16", 128, 4096, False, 600.0)], "2026-01-01")))
 
     def row(side, ours, sdpa):
         return {"d": 64, "n": 4096, "causal": True, "mask": side, "mask_kind": "causal+padding",
@@ -185,16 +188,13 @@ def test_padded_training_gets_rates_by_mask_kind(tmp_path, monkeypatch, fresh_se
     env = {"device": "Test GPU", "date": "2026-01-05", "torch": "test"}
     padded.write_text(json.dumps({"environment": env, "compiled": True,
                                   "rows": [row("right", right, sdpa_a), row("left", left, sdpa_b)]}))
-    out = tmp_path / "tables" / "test_gpu.json"
-    monkeypatch.setattr(policy, "table_path", lambda gpu: out)
+    text = _table_with(tmp_path, monkeypatch, masked_training=(str(padded),))
 
-    _script("cost_table").main(str(forward), masked_training=(str(padded),))
-
-    doc = json.loads(out.read_text())
+    doc = json.loads(text)
     assert "2026-01-05" in doc["source"]
     assert doc["tflops"]["fp8"]["d64/causal/train/causal+padding"] == {"4096": round(min(right, left), 1)}
     assert doc["tflops"]["bf16"]["d64/causal/train/causal+padding"] == {"4096": round(max(sdpa_a, sdpa_b), 1)}
-    table = policy.CostTable.from_json(out.read_text())
+    table = policy.CostTable.from_json(text)
     shape = policy.SiteShape(b=4, h=32, hkv=8, nq=4096, nk=4096, d=64, causal=True, training=True,
                              mask="causal+padding")
     decision = policy.cost_model_decision(shape, "fp8", table, "Test GPU")
@@ -205,4 +205,4 @@ def test_padded_training_gets_rates_by_mask_kind(tmp_path, monkeypatch, fresh_se
 
     padded.write_text(json.dumps({"environment": env, "compiled": False, "rows": [row("right", right, sdpa_a)]}))
     with pytest.raises(SystemExit, match="eager"):
-        _script("cost_table").main(str(forward), masked_training=(str(padded),))
+        _table_with(tmp_path, monkeypatch, masked_training=(str(padded),))
