@@ -28,7 +28,7 @@ A key-row bias (key padding, ``KEY_BIAS``) is taken as the forward Gluon kernel 
 it: ``key_bias.tile_ranges`` narrows each program's key tiles to those that keep a key
 (dS is 0 on the others), the zero run is unmasked and its edge tiles add the bias
 (``attention_fwd._scores``).  Its gradients equal the Triton kernel's bit for bit on the
-H200, and the padded training step's kernels run 1.7-3.5x faster than on the Triton
+H200, and the padded training step's kernels run 1.6-3.8x faster than on the Triton
 kernels (docs/perf-notes.md, 2026-12-03).
 """
 
