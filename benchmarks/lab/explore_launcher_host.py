@@ -3,11 +3,11 @@
     python benchmarks/explore_launcher_host.py [--calls 300] [--profile] [--cuda] [--key-padding]
 
 Runs ``kernels.triton.attention_backward`` with the Gluon dQ and dK/dV hooks on CPU
-tensors (B=1, H=2, N=128, D=128, causal, P mode direct; the host work does not depend on
+tensors (B=2, H=2, N=256, D=128, causal, P mode direct; the host work does not depend on
 the shape) with every kernel launch (the Gluon kernels, the tiled transposes) replaced by
 a no-op: what remains is our launcher's Python (checks, descriptors, layouts, views) and
 its few small aten ops.  ``--cuda`` runs the same calls on a GPU with the real launches
-(B=1, H=2, N=4096), so Triton's JIT dispatch is in the time: the calls are queued without
+(B=2, H=2, N=4096), so Triton's JIT dispatch is in the time: the calls are queued without
 a sync and their kernels take less than the host, so the time is the host's.
 ``--key-padding`` gives the call a key-padding bias (the second sequence keeps half its
 keys), what a padded fine-tuning batch's backward runs: the key-row tile ranges join the

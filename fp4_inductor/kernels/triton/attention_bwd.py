@@ -536,6 +536,8 @@ def attention_backward(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale
         bias_strides = bias_arg.stride()
         bias_mode = 1 if bias_strides[2] == 0 or nq == 1 else 2  # as the forward's
         key_rows = key_bias.KeyRows.of(bias_arg, b, h, nq, nk)  # mode 1; shared with the hooks' kernels
+    skip = key_bias.skip_ranges(key_rows, BLOCK_N)  # the same 128-key ranges the Gluon kernels read
+    ranges, range_b, range_h = skip or (row_ref, 0, 0)  # row_ref: never read without skipping
     dbg = debug if debug is not None else (row_ref,) * 3
     if debug is not None:
         assert len(debug) == 3 and all(t.is_contiguous() and t.shape == (b, h, nq, nk) and t.dtype == torch.float32
@@ -544,23 +546,16 @@ def attention_backward(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale
     consts = dict(D_QK=d, D_V=dv_dim, HEAD_DIM=F.kernel_head_dim(d), HEAD_DIM_V=F.kernel_head_dim(dv_dim),
                   BLOCK_N=BLOCK_N, P_MODE=_P_MODE_ID[p_mode], CAUSAL=bool(causal),
                   WINDOWED=bool(causal and window), BIAS_MODE=bias_mode, EMULATE=emulate, DEBUG=debug is not None,
-                  **OPTIONS)
+                  SKIP_MASKED=skip is not None, **OPTIONS)
     structure = (diagonal if causal else 0, window if causal else 0)
     consts.update(options or {})
     cfg = dict(CONFIG, **(config or {}))
     common_tail = (*bias_strides, *row_ref.stride())
 
-    def skip_args():
-        """The Triton kernels' tile ranges, made when the first of them launches."""
-        skip = key_bias.skip_ranges(key_rows, BLOCK_N)
-        ranges, range_b, range_h = skip or (row_ref, 0, 0)  # row_ref: never read without skipping
-        return (ranges, range_b, range_h), dict(consts, SKIP_MASKED=skip is not None)
-
     hooks = debug is None and not emulate
     if not (hooks and dkdv_kernel is not None
             and dkdv_kernel(do, do_t, do_scale, delta, q, qe_t, qe_scale, k, v, q_scale, k_scale, v_scale, row_ref,
                             causal, dk, dv, key_rows)):
-        (ranges, range_b, range_h), kconsts = skip_args()
         warps, stages = cfg["dkdv"]
         _bwd_dkdv_kernel[(triton.cdiv(nk, BLOCK_N), b * hkv)](
             do, do_t, do_scale, delta, q, k, v, q_scale, k_scale, v_scale, qe_t, qe_scale, bias_arg, ranges, row_ref,
@@ -568,20 +563,19 @@ def attention_backward(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale
             *do.stride(), *do_t.stride(), *do_scale.stride(), *delta.stride(), *q.stride(), *k.stride(), *v.stride(),
             *q_scale.stride(), *k_scale.stride(), *v_scale.stride(), *qe_t.stride(), *qe_scale.stride(),
             *common_tail, *dk.stride(), *dv.stride(),
-            range_b, range_h, h, hkv, h // hkv, nq, nk, *structure, BLOCK_M=F.ds_block_dk(d)[0], **kconsts,
+            range_b, range_h, h, hkv, h // hkv, nq, nk, *structure, BLOCK_M=F.ds_block_dk(d)[0], **consts,
             num_warps=warps, num_stages=stages,
         )
 
     if hooks and dq_kernel is not None and dq_kernel(do, do_scale, delta, q, k, v, q_scale, k_scale, v_scale, ke_t,
                                                      ke_scale, row_ref, causal, dq, key_rows):
         return
-    (ranges, range_b, range_h), kconsts = skip_args()
     warps, stages = cfg["dq"]
     _bwd_dq_kernel[(triton.cdiv(nq, BLOCK_M_DQ), b * h)](
         do, do_scale, delta, q, k, v, q_scale, k_scale, v_scale, ke_t, ke_scale, bias_arg, ranges, row_ref, dq, dbg[2],
         *do.stride(), *do_scale.stride(), *delta.stride(), *q.stride(), *k.stride(), *v.stride(),
         *q_scale.stride(), *k_scale.stride(), *v_scale.stride(), *ke_t.stride(), *ke_scale.stride(),
         *common_tail, *dq.stride(),
-        range_b, range_h, h, hkv, h // hkv, nq, nk, *structure, BLOCK_M=BLOCK_M_DQ, **kconsts, num_warps=warps,
+        range_b, range_h, h, hkv, h // hkv, nq, nk, *structure, BLOCK_M=BLOCK_M_DQ, **consts, num_warps=warps,
         num_stages=stages,
     )
