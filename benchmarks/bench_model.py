@@ -13,7 +13,8 @@ FLUX.1-dev configuration, one denoising step at 1024^2 and 2048^2) and ``wan``
 (``WanTransformer3DModel``, Wan2.1-14B, 81 frames at 480p and 720p).  Backends, timed
 interleaved in one process: ``inductor`` (the default), ``fp4attn`` under ``auto`` (what a
 user gets) and under ``always`` (every site in low precision).  Per point: median step
-time, tokens/s, the ratio to ``inductor``, peak memory, compile time (apart), attention's
+time, tokens/s, the ratio to ``inductor``, the output's rel-L2 against ``inductor``'s
+(inference), peak memory, compile time (apart), attention's
 share of the ``inductor`` step and which SDPA kernels it ran (profiler), and the ``auto``
 policy's picks (``explain``).  JSON and PNG under ``benchmarks/results/``.
 """
@@ -49,6 +50,8 @@ FLUX_TINY = dict(patch_size=1, in_channels=16, num_layers=1, num_single_layers=1
 WAN_14B = dict(patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=128, in_channels=16, out_channels=16,
                text_dim=4096, freq_dim=256, ffn_dim=13824, num_layers=40, cross_attn_norm=True,
                qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024)
+# (latent frames, latent height, width): 81 frames -> 21; 480x832 and 720x1280 over the VAE's 8x
+WAN_LATENTS = {"480p": (21, 60, 104), "720p": (21, 90, 160)}
 WAN_TINY = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=32, in_channels=4, out_channels=4,
                 text_dim=32, freq_dim=32, ffn_dim=64, num_layers=1, rope_max_seq_len=64)
 
@@ -70,6 +73,19 @@ def _device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def _build(cls, *args, dtype, **kwargs):
+    """A model with random weights made on the device itself (initialising a 12-14B model
+    on the host takes minutes), in ``dtype`` but for the parameters that diffusers'
+    ``from_pretrained`` keeps in float32 (``_keep_in_fp32_modules``: Wan's norms, say)."""
+    with torch.device(_device()):
+        model = cls(*args, **kwargs).to(dtype)
+    keep = getattr(model, "_keep_in_fp32_modules", None) or ()
+    for name, param in model.named_parameters():
+        if any(m in name.split(".") for m in keep):
+            param.data = param.data.float()
+    return model
+
+
 def _sync():
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -83,7 +99,7 @@ def llama_points(args, train: bool) -> list[Point]:
 
     def make():
         cfg = transformers.LlamaConfig(**base, num_hidden_layers=layers, attn_implementation="sdpa")
-        return transformers.LlamaForCausalLM(cfg).to(_device(), args.dtype)
+        return _build(transformers.LlamaForCausalLM, cfg, dtype=args.dtype)
 
     points = []
     for s in args.seqs if not train else args.train_seqs:
@@ -107,7 +123,7 @@ def flux_points(args) -> list[Point]:
     from diffusers import FluxTransformer2DModel
 
     cfg = FLUX_TINY if args.tiny else FLUX_DEV
-    sizes = (64,) if args.tiny else (1024, 2048)
+    sizes = (64,) if args.tiny else args.flux_sizes
     points = []
     for size in sizes:
         n, text = (size // 16) ** 2 if not args.tiny else size, 16 if args.tiny else 512
@@ -121,7 +137,7 @@ def flux_points(args) -> list[Point]:
                         txt_ids=torch.zeros(text, 3, device=dev), guidance=torch.tensor([3.5], device=dev, dtype=dt),
                         return_dict=False)
 
-        make = lambda: FluxTransformer2DModel(**cfg).to(_device(), args.dtype)  # noqa: E731
+        make = lambda: _build(FluxTransformer2DModel, dtype=args.dtype, **cfg)  # noqa: E731
         points.append(Point("flux", f"{size}^2 ({n}+{text} tokens)", n + text, make, inputs))
     return points
 
@@ -130,8 +146,7 @@ def wan_points(args) -> list[Point]:
     from diffusers import WanTransformer3DModel
 
     cfg = WAN_TINY if args.tiny else WAN_14B
-    # (latent frames, latent height, width): 81 frames -> 21; 480x832 and 720x1280 over the VAE's 8x
-    shapes = {"tiny": (3, 8, 8)} if args.tiny else {"480p": (21, 60, 104), "720p": (21, 90, 160)}
+    shapes = {"tiny": (3, 8, 8)} if args.tiny else {name: WAN_LATENTS[name] for name in args.wan_sizes}
     points = []
     for name, (f, h, w) in shapes.items():
         tokens = f * (h // 2) * (w // 2)
@@ -143,7 +158,7 @@ def wan_points(args) -> list[Point]:
                         encoder_hidden_states=torch.randn(1, 16 if args.tiny else 512, cfg["text_dim"], device=dev,
                                                           dtype=dt), return_dict=False)
 
-        make = lambda: WanTransformer3DModel(**cfg).to(_device(), args.dtype)  # noqa: E731
+        make = lambda: _build(WanTransformer3DModel, dtype=args.dtype, **cfg)  # noqa: E731
         points.append(Point("wan", f"{name} ({tokens} tokens)", tokens, make, inputs))
     return points
 
@@ -170,6 +185,11 @@ def _step_fn(model, compiled, point: Point, inputs: dict):
         logits.float().square().mean().backward()
         optimizer.step()
     return train
+
+
+def _output(out) -> torch.Tensor:
+    """The prediction in float32: a diffusers model's sample or a causal LM's logits."""
+    return (out[0] if isinstance(out, tuple) else out.logits).float()
 
 
 def _time(fn) -> float:
@@ -249,6 +269,11 @@ def measure(point: Point, args, progress) -> dict:
             torch.cuda.reset_peak_memory_stats()
             fn()
             r["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    if not point.train and "inductor" in steps:  # the same inputs through each backend: how far from inductor's
+        want = _output(steps["inductor"]())
+        for backend, fn in steps.items():
+            got = _output(fn())
+            row["backends"][backend]["output_rel_l2"] = ((got - want).norm() / want.norm()).item()
     base = row["backends"].get("inductor", {}).get("median_s")
     for r in row["backends"].values():
         if base and "median_s" in r:
@@ -259,6 +284,8 @@ def measure(point: Point, args, progress) -> dict:
 
 
 def plot(rows: list[dict], path: str) -> None:
+    if not rows:
+        return
     import matplotlib
 
     matplotlib.use("Agg")
@@ -289,6 +316,8 @@ def main():
     ap.add_argument("--layers", type=int, default=32, help="Llama layers in prefill")
     ap.add_argument("--train-seqs", type=int, nargs="*", default=[4096, 8192, 16384])
     ap.add_argument("--train-layers", type=int, default=32, help="Llama layers in training (as many as fit)")
+    ap.add_argument("--flux-sizes", type=int, nargs="*", default=[1024, 2048], help="Flux image sizes (pixels)")
+    ap.add_argument("--wan-sizes", nargs="*", default=list(WAN_LATENTS), choices=list(WAN_LATENTS))
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--backends", nargs="*", default=list(BACKENDS), choices=BACKENDS,
                     help="inductor is the baseline every ratio is against")
@@ -310,16 +339,16 @@ def main():
             print(f"{workload}: not installed ({err})")
     env = environment()
     device = env.get("device", "cpu")
-    rows = []
-    with tqdm(total=len(points) * len(args.backends), desc="bench_model") as progress:
-        for point in points:
-            rows.append(measure(point, args, progress))
     out = args.out or os.path.join(RESULTS, f"model_{device.lower().replace(' ', '_')}.json")
     os.makedirs(os.path.dirname(out), exist_ok=True)
     config = {"layers": args.layers, "train_layers": args.train_layers, "tokens": args.tokens, "reps": args.reps,
               "tiny": args.tiny, "dtype": str(args.dtype)}
-    with open(out, "w") as f:
-        json.dump({"environment": env, "config": config, "rows": rows}, f, indent=1, default=str)
+    rows = []
+    with tqdm(total=len(points) * len(args.backends), desc="bench_model") as progress:
+        for point in points:
+            rows.append(measure(point, args, progress))
+            with open(out, "w") as f:  # after each point: a long run cut short keeps what it measured
+                json.dump({"environment": env, "config": config, "rows": rows}, f, indent=1, default=str)
     plot(rows, out.replace(".json", ".png"))
     print(f"\n{'workload':8s} {'point':28s} " + " ".join(f"{b:>15s}" for b in BACKENDS[1:]) + "  attention share")
     for r in rows:
