@@ -214,6 +214,32 @@ def _(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale, qe, qe_scale, k
     return grads_empty(q, k, v_t, out_dtype, grads_contiguous)
 
 
+# Keys a call's K and V are padded to a multiple of: the Gluon kernels read V^T's rows and
+# K's 16-key chunks as TMA boxes (16-byte aligned), and the Triton kernel falls back to byte
+# loads of V^T without them (a Wan2.1 480p video's 32760 tokens: 338 ms against 24 ms for
+# 32768 tokens on the Gluon kernel, H200, docs/perf-notes.md).
+KEY_ALIGN = 16
+
+
+def align_keys(k, v, attn_mask, key_padding):
+    """``k`` and ``v`` with zero keys appended up to a multiple of ``KEY_ALIGN``, the new
+    keys masked off through ``key_padding`` (``[B, Nk]``, True keeps; made if None) and,
+    where it has a key dimension, ``attn_mask``.  The attention is the same; dK and dV
+    flow back through the padding's slice.  Unaligned calls are returned unchanged."""
+    nk = k.shape[-2]
+    pad = -nk % KEY_ALIGN
+    if pad == 0:
+        return k, v, attn_mask, key_padding
+    k, v = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (k, v))
+    if key_padding is None:
+        key_padding = torch.ones(k.shape[0], nk, dtype=torch.bool, device=k.device)
+    key_padding = torch.nn.functional.pad(key_padding, (0, pad), value=False)
+    if attn_mask is not None and attn_mask.shape[-1] != 1:
+        masked = False if attn_mask.dtype == torch.bool else -math.inf
+        attn_mask = torch.nn.functional.pad(attn_mask, (0, pad), value=masked)
+    return k, v, attn_mask, key_padding
+
+
 def quantized_forward(q, k, v, bias, sm_scale, causal, fmt, p_mode, diagonal=0, window=0):
     """quantize + fwd: the output, its LSE, the row reference and the quantized operands
     (what backward needs)."""
@@ -238,6 +264,7 @@ def attention_by_length(
     visible key (bool ``[B, H, Nq]``), whose output either path leaves for
     ``attention.empty_row_fill``."""
     if k.shape[-2] >= min_keys:
+        k, v, attn_mask, key_padding = align_keys(k, v, attn_mask, key_padding)
         out, lse = quantized_forward(q, k, v, F.mask_to_log2_bias(attn_mask, key_padding), scale, is_causal, fmt,
                                      p_mode, diagonal, window)[:2]
         return out, lse == -math.inf

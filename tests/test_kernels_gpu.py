@@ -415,6 +415,36 @@ def test_lowp_attention_end_to_end(fmt, p_mode, max_rel_l2, min_cos, causal, n):
     assert cos >= min_cos, cos
 
 
+@pytest.mark.parametrize("train", [False, True])
+def test_unaligned_key_count_runs_the_gluon_kernels(train):
+    """2056 keys, not a multiple of ops.KEY_ALIGN (a Wan2.1 480p video has 32760): padded
+    to 2064 and masked as key padding, the call runs the Gluon forward (and backward)
+    rather than the Triton kernel's byte loads of V^T (14x slower at 32760 keys); output
+    and gradients against float32 SDPA within the fp8 path's bounds."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from fp4_inductor.attention import lowp_attention
+
+    n = 2056
+    q, k, v = (torch.randn(1, 16, n, 128, device="cuda", dtype=torch.bfloat16, requires_grad=train)
+               for _ in range(3))
+    dout = torch.randn(1, 16, n, 128, device="cuda", dtype=torch.bfloat16)
+    with warnings.catch_warnings(), profile(activities=[ProfilerActivity.CUDA]) as prof:
+        warnings.simplefilter("error", RuntimeWarning)  # a kernel failure would warn and fall back
+        out = lowp_attention(q, k, v)
+        got = torch.autograd.grad(out, (q, k, v), dout) if train else ()
+        torch.cuda.synchronize()
+    names = {e.name for e in prof.events()}
+    assert "_fwd_ws" in names and "_fwd_kernel" not in names, sorted(names)
+    if train:
+        assert {"_dq_ws", "_dkdv_ws"} <= names, sorted(names)
+    exact = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    want = torch.nn.functional.scaled_dot_product_attention(*exact)
+    assert ((out.double() - want.double()).norm() / want.double().norm()).item() <= 0.06
+    for g, w in zip(got, torch.autograd.grad(want, exact, dout.float()) if train else ()):
+        assert g.shape == w.shape and ((g.double() - w.double()).norm() / w.double().norm()).item() <= 0.11
+
+
 @pytest.mark.parametrize("nk", [300, 1500])
 def test_by_length_on_gpu(nk):
     """The run-time branch on CUDA: the kernels from min_keys keys on (same result as

@@ -12,6 +12,7 @@ from helpers import cosine, fwd_inputs, op_calls
 transformers = pytest.importorskip("transformers")
 
 B, N = 2, 24
+NK = 32  # the keys the op sees: N padded to a multiple of ops.KEY_ALIGN, the padding masked
 PAD = 5  # left padding of the second sequence
 
 
@@ -52,8 +53,8 @@ def test_hf_attention_mask_reaches_the_op_as_structure(name, attn, padded):
             out, calls = fwd_inputs(torch.compile(model, backend="fp4attn"), input_ids=ids, attention_mask=mask)
     assert len(calls) == 2
     for q8, k8, v_t, _, _, _, bias, *_ in calls:
-        assert k8 == [B, 2, N, 32] and v_t == [B, 2, 32, N]  # K/V with Hkv heads: repeat_kv undone
-        assert bias == [B, 1, 1, N]  # the key-padding row, no [.., Nq, Nk] mask
+        assert k8 == [B, 2, NK, 32] and v_t == [B, 2, 32, NK]  # K/V with Hkv heads: repeat_kv undone
+        assert bias == [B, 1, 1, NK]  # the key-padding row, no [.., Nq, Nk] mask
     keep = mask.bool()
     assert cosine(out.logits[keep], ref[keep]) > 0.99
     assert not out.logits.isnan().any()
@@ -139,7 +140,7 @@ class TrilMasked(torch.nn.Module):
 @pytest.mark.parametrize("window", [0, 7])
 def test_handwritten_tril_mask_is_causal(window):
     module = TrilMasked(window).eval()
-    x = torch.randn(B, 40, 64)
+    x = torch.randn(B, 48, 64)  # a multiple of ops.KEY_ALIGN: no key-padding row either
     report = fp4_inductor.explain(module, x, policy="always")
     assert [s.mask for s in report.sites] == [f"window {window}" if window else "causal"], str(report)
     torch._dynamo.reset()

@@ -105,12 +105,12 @@ def test_dq_comes_out_with_respect_to_q():
     """lowp_attention's dQ is the op's dQ for Q times the softmax scale (Ke's scales as
     ``formats.backward_operands`` gives them) times that scale, within one BF16 rounding:
     attention.py folds the scale into Ke's scales, so the op rounds dQ once.  D = 128,
-    whose scale is not a power of two."""
+    whose scale is not a power of two; 80 keys, which ``ops.align_keys`` leaves as they are."""
     from fp4_inductor.attention import backward_inputs, lowp_attention
 
     d, sm_scale = 128, 128 ** -0.5
-    q, k, v = (torch.randn(2, h, 70, d, dtype=torch.bfloat16, requires_grad=True) for h in (4, 2, 2))
-    dout = torch.randn(2, 4, 70, d, dtype=torch.bfloat16)
+    q, k, v = (torch.randn(2, h, 80, d, dtype=torch.bfloat16, requires_grad=True) for h in (4, 2, 2))
+    dout = torch.randn(2, 4, 80, d, dtype=torch.bfloat16)
     dq, dk, dv = torch.autograd.grad(lowp_attention(q, k, v, is_causal=True), (q, k, v), dout)
 
     out, lse, row_ref, (q8, k8, v8t, q_scale, k_scale, v_scale) = ops.quantized_forward(
@@ -175,14 +175,50 @@ def test_by_length_branches_on_the_call_s_key_length(nk, mask):
     causal = torch.ones(33, nk, dtype=torch.bool).tril()
     visible = causal if mask is None else causal & keep if mask == "bool" else causal & (attn_mask > -7.3e5)
     assert torch.equal(empty, ~visible.expand(2, 4, 33, nk).any(-1))  # rows with no visible key, either branch
-    if nk >= 100:
-        want = ops.quantized_forward(q, k, v, mask_to_log2_bias(attn_mask), 0.125, True, "fp8", "direct")[0]
+    if nk >= 100:  # 150 keys: padded to 160 by ops.align_keys
+        k, v, attn_mask, keep = ops.align_keys(k, v, attn_mask, None)
+        want = ops.quantized_forward(q, k, v, mask_to_log2_bias(attn_mask, keep), 0.125, True, "fp8", "direct")[0]
     else:
         sdpa_mask = attn_mask.to(q.dtype) if mask == "additive" else attn_mask
         want = torch.nn.functional.scaled_dot_product_attention(
             q, k, v, attn_mask=sdpa_mask, is_causal=True, scale=0.125, enable_gqa=True)
     assert got.stride() == ops.bnhd_empty(q, 4, 33, 64, q.dtype).stride()
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("mask", [None, "bool", "additive"])
+def test_unaligned_keys_attend_to_their_own_keys(mask):
+    """150 keys (not a multiple of ops.KEY_ALIGN): the op sees 160, the 10 zero keys
+    appended masked off, with the caller's mask and key padding alike.  Output and
+    gradients against float64 SDPA over the 150 keys.  The real scores sit near -10 and a
+    zero key scores 0, so a padded key that leaked in would take most of each row's
+    probability (its value is 0: the output would all but vanish)."""
+    from fp4_inductor.attention import lowp_attention
+    from helpers import rel_l2
+
+    nk, shift = 150, torch.zeros(64, dtype=torch.float64)
+    shift[0] = 9.0  # q.k ~ -81 + noise, times the scale 1/8
+    q, k, v = (torch.randn(2, h, n, 64, dtype=torch.float64) for h, n in ((4, 33), (2, nk), (2, nk)))
+    q, k = q - shift, k + shift
+    keep = torch.rand(2, 1, 33, nk) > 0.2
+    attn_mask = {None: None, "bool": keep, "additive": torch.where(keep, 0.0, -1e4) + torch.randn(2, 1, 33, nk)}[mask]
+    key_padding = torch.arange(nk) < torch.tensor([[nk], [nk - 20]])
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    got = lowp_attention(*(t.bfloat16() for t in leaves), attn_mask, key_padding=key_padding)
+    dout = torch.randn_like(got)
+    got_grads = torch.autograd.grad(got, leaves, dout)
+
+    pad = ~key_padding[:, None, None, :]
+    if mask == "additive":
+        exact_mask = attn_mask.double().masked_fill(pad, -math.inf)
+    else:
+        exact_mask = ~pad if mask is None else keep & ~pad
+    exact = [t.clone().requires_grad_() for t in (q, k, v)]
+    want = torch.nn.functional.scaled_dot_product_attention(*exact, attn_mask=exact_mask, enable_gqa=True)
+    want_grads = torch.autograd.grad(want, exact, dout.double())
+    assert rel_l2(got.double(), want) < 0.06
+    for g, w in zip(got_grads, want_grads, strict=True):
+        assert g.shape == w.shape and rel_l2(g.double(), w) < 0.15
 
 
 def test_lowp_attention_refuses_what_it_would_get_wrong():
