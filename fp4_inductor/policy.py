@@ -151,6 +151,15 @@ class SiteShape:
         fwd = 2.0 * self.b * self.h * self.nq * self.nk * (self.d + (self.dv or self.d)) * fraction
         return fwd * (3.5 if self.training else 1.0)
 
+    def rate_length(self) -> float:
+        """The length of the square site (Nq = Nk, as the cost table was measured) whose
+        rates price this one: 2 Nq Nk / (Nq + Nk), the square site with the same tokens to
+        quantize per score.  Where Nq and Nk differ, the shorter side bounds both the
+        kernel's rows (few keys) or programs (few queries) and the quantization's share.
+        The longer length (used before) priced a Wan2.1 cross-attention, 32760 queries over
+        512 text keys, at 1.36x BF16; it ran at 0.75x (H200, 2026-12-03)."""
+        return 2.0 * self.nq * self.nk / (self.nq + self.nk)
+
     @property
     def masked(self) -> bool:
         """Whether the site has a mask beyond SDPA's own causal structure."""
@@ -189,14 +198,14 @@ class CostTable:
         return cls(gpu=doc["gpu"], rates=rates, launch_us=float(doc["launch_us"]), source=doc.get("source", ""))
 
     def rate(self, path: str, shape: SiteShape) -> float | None:
-        """TFLOP/s at the shape's key length, log-linear between measured lengths.  Below
+        """TFLOP/s at the shape's ``rate_length``, log-linear between measured lengths.  Below
         the shortest measured length an unmasked site gets that length's rate; a masked one
         gets none, since padding or a window shared by fewer keys is other work (a window
         longer than the row is plain causal)."""
         points = self.rates.get(path, {}).get(shape.table_key())
         if not points:
             return None
-        n = max(shape.nq, shape.nk)
+        n = shape.rate_length()
         if n < points[0][0] and shape.masked:
             return None
         if n <= points[0][0]:

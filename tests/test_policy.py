@@ -244,12 +244,16 @@ def test_multihead_attention_branches_at_run_time(crossover_2k):
 
 
 def test_crossover_keeps_a_fixed_query_length():
-    """Decode (a fixed handful of queries, a growing cache) pays the launch costs over far
-    less work than prefill of the same key length: its crossover lies further out."""
+    """Decode (a fixed handful of queries, a growing cache) quantizes the whole cache for
+    those queries: priced at its ``rate_length`` (under 2 Nq), it never crosses over, and
+    a site growing in proportion crosses only once its queries alone are many.  Prefill
+    crosses where the square table does."""
     table = policy.CostTable.from_json(json.dumps(TABLE))
     decode = policy.SiteShape(8, 32, 32, 16, 4096, 128, False, False)
-    assert policy.crossover_length(decode, "fp8", table, vary="both") == 16384
-    assert policy.crossover_length(decode, "fp8", table, vary="keys") == 32768
+    assert policy.crossover_length(decode, "fp8", table, vary="keys") is None
+    assert policy.crossover_length(decode, "fp8", table, vary="both") == 262144  # 1024 queries there
+    prefill = dataclasses.replace(decode, nq=4096)
+    assert policy.crossover_length(prefill, "fp8", table, vary="both") == 2048
 
 
 def test_tuned_decision_does_not_fix_a_dynamic_length(crossover_2k):
