@@ -163,9 +163,8 @@ def lowp_attention(
         out, empty = torch.ops.fp4attn.by_length(q, k, v, attn_mask, float(scale), is_causal, fmt, p_mode, min_keys,
                                                  diagonal, window, key_padding)
     else:
-        k_op, v_op, mask_op, keep_op = ops.align_keys(k, v, attn_mask, key_padding)
-        out, lse = _LowPrecisionAttention.apply(q, k_op, v_op, F.mask_to_log2_bias(mask_op, keep_op), scale,
-                                                is_causal, fmt, p_mode, diagonal, window)
+        k_op, v_op, bias = ops.align_keys(k, v, attn_mask, key_padding)
+        out, lse = _LowPrecisionAttention.apply(q, k_op, v_op, bias, scale, is_causal, fmt, p_mode, diagonal, window)
         empty = lse == -math.inf
     out = empty_row_fill(out, empty, v, empty_rows, attn_mask)
     return out.squeeze(1) if squeeze else out

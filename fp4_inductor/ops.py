@@ -222,14 +222,14 @@ KEY_ALIGN = 16
 
 
 def align_keys(k, v, attn_mask, key_padding):
-    """``k`` and ``v`` with zero keys appended up to a multiple of ``KEY_ALIGN``, the new
-    keys masked off through ``key_padding`` (``[B, Nk]``, True keeps; made if None) and,
-    where it has a key dimension, ``attn_mask``.  The attention is the same; dK and dV
-    flow back through the padding's slice.  Unaligned calls are returned unchanged."""
+    """``k`` and ``v`` with zero keys appended up to a multiple of ``KEY_ALIGN``, and the
+    kernels' bias (``formats.mask_to_log2_bias``) of ``attn_mask`` and ``key_padding``
+    (``[B, Nk]``, True keeps) with the new keys masked off.  The attention is the same;
+    dK and dV flow back through the padding's slice.  Aligned calls keep their keys."""
     nk = k.shape[-2]
     pad = -nk % KEY_ALIGN
     if pad == 0:
-        return k, v, attn_mask, key_padding
+        return k, v, F.mask_to_log2_bias(attn_mask, key_padding)
     k, v = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (k, v))
     if key_padding is None:
         key_padding = torch.ones(k.shape[0], nk, dtype=torch.bool, device=k.device)
@@ -237,7 +237,7 @@ def align_keys(k, v, attn_mask, key_padding):
     if attn_mask is not None and attn_mask.shape[-1] != 1:
         masked = False if attn_mask.dtype == torch.bool else -math.inf
         attn_mask = torch.nn.functional.pad(attn_mask, (0, pad), value=masked)
-    return k, v, attn_mask, key_padding
+    return k, v, F.mask_to_log2_bias(attn_mask, key_padding)
 
 
 def quantized_forward(q, k, v, bias, sm_scale, causal, fmt, p_mode, diagonal=0, window=0):
@@ -264,9 +264,8 @@ def attention_by_length(
     visible key (bool ``[B, H, Nq]``), whose output either path leaves for
     ``attention.empty_row_fill``."""
     if k.shape[-2] >= min_keys:
-        k, v, attn_mask, key_padding = align_keys(k, v, attn_mask, key_padding)
-        out, lse = quantized_forward(q, k, v, F.mask_to_log2_bias(attn_mask, key_padding), scale, is_causal, fmt,
-                                     p_mode, diagonal, window)[:2]
+        k, v, bias = align_keys(k, v, attn_mask, key_padding)
+        out, lse = quantized_forward(q, k, v, bias, scale, is_causal, fmt, p_mode, diagonal, window)[:2]
         return out, lse == -math.inf
     out, empty = sdpa_with_structure(q, k, v, attn_mask, scale, is_causal, diagonal, window, key_padding)
     return bnhd_like(out), empty

@@ -176,8 +176,8 @@ def test_by_length_branches_on_the_call_s_key_length(nk, mask):
     visible = causal if mask is None else causal & keep if mask == "bool" else causal & (attn_mask > -7.3e5)
     assert torch.equal(empty, ~visible.expand(2, 4, 33, nk).any(-1))  # rows with no visible key, either branch
     if nk >= 100:  # 150 keys: padded to 160 by ops.align_keys
-        k, v, attn_mask, keep = ops.align_keys(k, v, attn_mask, None)
-        want = ops.quantized_forward(q, k, v, mask_to_log2_bias(attn_mask, keep), 0.125, True, "fp8", "direct")[0]
+        k, v, bias = ops.align_keys(k, v, attn_mask, None)
+        want = ops.quantized_forward(q, k, v, bias, 0.125, True, "fp8", "direct")[0]
     else:
         sdpa_mask = attn_mask.to(q.dtype) if mask == "additive" else attn_mask
         want = torch.nn.functional.scaled_dot_product_attention(
