@@ -12,7 +12,8 @@ tokens at each S, with the ``attention_mask`` that ``generate()`` passes and wit
 FLUX.1-dev configuration, one denoising step at 1024^2 and 2048^2) and ``wan``
 (``WanTransformer3DModel``, Wan2.1-14B, 81 frames at 480p and 720p).  Backends, timed
 interleaved in one process: ``inductor`` (the default), ``fp4attn`` under ``auto`` (what a
-user gets) and under ``always`` (every site in low precision).  Per point: median step
+user gets), under ``always`` (every site in low precision) and with every site on ``bf16``
+(what the rewrite gives without low precision: a causal mask run as SDPA's ``is_causal``).  Per point: median step
 time, tokens/s, the ratio to ``inductor``, the output's rel-L2 against ``inductor``'s
 (inference), peak memory, compile time (apart), attention's
 share of the ``inductor`` step and which SDPA kernels it ran (profiler), and the ``auto``
@@ -32,7 +33,7 @@ import torch
 
 from common import RESULTS, environment
 
-BACKENDS = ("inductor", "fp4attn-auto", "fp4attn-always")
+BACKENDS = ("inductor", "fp4attn-auto", "fp4attn-always", "fp4attn-bf16")
 # Kernel names that are attention in a profile: SDPA's backends, FlashAttention, ours.
 ATTENTION_KERNELS = ("flash", "fmha", "cudnn", "sdpa", "attention", "_fwd_kernel", "_bwd_dkdv", "_bwd_dq",
                      "_fwd_ws", "dq_backward", "dkdv", "quantize")
@@ -168,6 +169,8 @@ def _compiled(model, backend: str):
 
     if backend == "inductor":
         return torch.compile(model)
+    if backend == "fp4attn-bf16":
+        return torch.compile(model, backend=fp4_inductor.backend(overrides=(("*", "bf16"),)))
     return torch.compile(model, backend=fp4_inductor.backend(policy=backend.split("-")[1]))
 
 
@@ -298,9 +301,9 @@ def plot(rows: list[dict], path: str) -> None:
         mine = [r for r in rows if r["workload"] == workload]
         for offset, backend in enumerate(BACKENDS[1:]):
             ratios = [r["backends"].get(backend, {}).get("vs_inductor", 0.0) for r in mine]
-            ax.bar([i + 0.4 * offset for i in range(len(mine))], ratios, width=0.4, label=backend)
+            ax.bar([i + 0.27 * offset for i in range(len(mine))], ratios, width=0.27, label=backend)
         ax.axhline(1.0, color="k", lw=0.8)
-        ax.set_xticks([i + 0.2 for i in range(len(mine))], [r["point"] for r in mine], rotation=30, ha="right")
+        ax.set_xticks([i + 0.27 for i in range(len(mine))], [r["point"] for r in mine], rotation=30, ha="right")
         ax.set_title(workload)
         ax.set_ylabel("speed vs torch.compile (inductor)")
         ax.legend()

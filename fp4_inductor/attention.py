@@ -104,6 +104,23 @@ def empty_row_fill(out, empty, v, mode: str, attn_mask=None):
     return torch.where(empty[..., None], fill.to(out.dtype), out)
 
 
+def causal_sdpa(q, k, v, attn_mask=None, scale=None, is_causal=True, *, fmt=None, p_mode=None, diagonal=0,
+                window=0, empty_rows="zero"):
+    """The BF16 path of a site whose mask the matchers read as SDPA's own causal structure
+    (HF models hand a traced graph a dense ``[B, 1, N, N]`` mask even without padding):
+    SDPA with ``is_causal`` and no mask tensor, which Inductor lowers to the flash/cuDNN
+    kernels that skip the masked half, where the dense mask runs their bias path over every
+    score.  ``lowp_attention``'s signature, so that ``replace_site`` can call it."""
+    assert is_causal and attn_mask is None and not window and isinstance(diagonal, int) and diagonal == 0
+    if not isinstance(scale, (int, float, type(None))):  # SDPA takes a float: fold a tensor or symbolic one into Q
+        q, scale = (q * scale).to(q.dtype), 1.0
+    if q.dim() == 4 and k.shape[1] != q.shape[1]:
+        # The K/V the matchers un-repeated: repeated again as the model did, which keeps the
+        # cuDNN backend (it takes no enable_gqa) eligible.
+        k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+
+
 def lowp_attention(
     q: torch.Tensor,
     k: torch.Tensor,

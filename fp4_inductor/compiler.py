@@ -16,10 +16,11 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 
 from . import config
 from .config import Options
-from .patterns import find_sites, graph_modules, replace_site
+from .attention import causal_sdpa
+from .patterns import find_sites, graph_modules, reads_causal_mask, replace_site
 from .patterns.common import value
 from .patterns.softmax import softmax_over_other_dim
-from .policy import Decision, decide
+from .policy import Decision, decide, unsupported_reason
 from .tuning import load_decisions
 
 
@@ -53,10 +54,13 @@ class AttentionRewritePass:
             if tuned is None:
                 tuned = _tuned_decisions(site) if self.options.policy == "auto" else {}
             decision = decide(site, self.options, tuned)
-            self.records.append(_record(site, decision))
             if decision.low_precision:
                 replace_site(graph, site, decision.path, self.options.p_mode_for(decision.path),
                              min_keys=decision.min_keys)
+            elif self.options.policy != "never" and reads_causal_mask(site) and unsupported_reason(site) is None:
+                replace_site(graph, site, "bf16", None, target=causal_sdpa)
+                decision = dataclasses.replace(decision, reason=decision.reason + "; causal mask run as is_causal")
+            self.records.append(_record(site, decision))
 
 
 def _tuned_decisions(site) -> dict:

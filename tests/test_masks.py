@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import fp4_inductor
-from helpers import cosine, fwd_inputs, op_calls
+from helpers import cosine, fwd_inputs, op_calls, rel_l2
 
 transformers = pytest.importorskip("transformers")
 
@@ -119,22 +119,26 @@ def test_generate_left_padded(cache):
 
 
 class TrilMasked(torch.nn.Module):
-    """nanoGPT without flash: a lower-triangular mask built in forward, filled with -inf."""
+    """nanoGPT without flash: a lower-triangular mask built in forward, filled with -inf
+    (or, with ``sdpa``, passed to SDPA as a boolean mask, as HF models do when traced)."""
 
-    def __init__(self, window=0):
+    def __init__(self, window=0, sdpa=False):
         super().__init__()
         self.qkv = torch.nn.Linear(64, 192)
-        self.window = window
+        self.window, self.sdpa = window, sdpa
 
     def forward(self, x):
         b, n, _ = x.shape
         q, k, v = self.qkv(x).view(b, n, 3, 2, 32).permute(2, 0, 3, 1, 4)
-        att = (q @ k.transpose(-2, -1)) * 32**-0.5
         keep = torch.tril(torch.ones(n, n, dtype=torch.bool))
         if self.window:
             keep = keep & ~torch.tril(torch.ones(n, n, dtype=torch.bool), diagonal=-self.window)
-        att = att.masked_fill(~keep, float("-inf"))
-        return (F.softmax(att, dim=-1) @ v).transpose(1, 2).reshape(b, n, 64)
+        if self.sdpa:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+        else:
+            att = (q @ k.transpose(-2, -1)) * 32**-0.5
+            out = F.softmax(att.masked_fill(~keep, float("-inf")), dim=-1) @ v
+        return out.transpose(1, 2).reshape(b, n, 64)
 
 
 @pytest.mark.parametrize("window", [0, 7])
@@ -148,3 +152,59 @@ def test_handwritten_tril_mask_is_causal(window):
         out, calls = fwd_inputs(torch.compile(module, backend="fp4attn"), x)
     assert calls and calls[0][6] == []  # no bias at all
     assert cosine(out, module(x)) > 0.99
+
+
+def _rewritten_graphs(options):
+    """A backend that runs the rewrite and then the rewritten torch-level graph as it is,
+    and the graphs it saw."""
+    from fp4_inductor.compiler import rewrite
+
+    graphs = []
+
+    def backend(gm, example_inputs):
+        rewrite(gm, options)
+        graphs.append(gm)
+        return gm.forward
+
+    return backend, graphs
+
+
+@pytest.mark.parametrize("site", ["llama-eager", "tril-softmax", "tril-sdpa"])
+def test_bf16_site_runs_its_causal_mask_as_is_causal(site):
+    """A site left on BF16 whose masks are the causal structure alone (HF builds a dense
+    [B, 1, N, N] mask under tracing) runs SDPA's is_causal with no mask tensor built:
+    the flash/cuDNN kernels skip the masked half rather than read the mask per score.
+    Output and gradients as eager's, through the rewritten graph and through Inductor."""
+    from fp4_inductor import config
+
+    if site == "llama-eager":
+        model, args, kwargs = _causal_lm("llama", "eager").train(), (), {"input_ids": _batch(False)[0]}
+    else:
+        model, args, kwargs = TrilMasked(sdpa=site == "tril-sdpa").train(), (torch.randn(B, N, 64),), {}
+    bf16 = dict(overrides=(("*", "bf16"),))
+    with fp4_inductor.configure(**bf16):
+        report = fp4_inductor.explain(model, *args, **kwargs)
+    assert all(s.path == "bf16" and s.mask == "causal" and s.reason.endswith("causal mask run as is_causal")
+               for s in report.sites) and report.sites, str(report)
+
+    def loss_and_grads(fn):
+        model.zero_grad()
+        out = fn(*args, **kwargs)
+        out = out if isinstance(out, torch.Tensor) else out.logits
+        out.pow(2).mean().backward()
+        return out.detach(), torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+    ref_out, ref_grads = loss_and_grads(model)
+    backend, graphs = _rewritten_graphs(config.current().replace(**bf16))
+    torch._dynamo.reset()
+    out, got = loss_and_grads(torch.compile(model, backend=backend))
+    calls = [n for g in graphs for n in g.graph.nodes if n.op == "call_function"]
+    assert sum(n.target is fp4_inductor.attention.causal_sdpa for n in calls) == len(report.sites)
+    square = [n for n in calls if n.users and isinstance(n.meta.get("example_value"), torch.Tensor)
+              and n.meta["example_value"].shape[-2:] == (N, N)]
+    assert not square, square  # neither the mask nor the scores are used (a dead node goes in Inductor's DCE)
+    assert rel_l2(out, ref_out) < 1e-5 and rel_l2(got, ref_grads) < 1e-4
+    torch._dynamo.reset()
+    with fp4_inductor.configure(**bf16):
+        out, got = loss_and_grads(torch.compile(model, backend="fp4attn"))
+    assert rel_l2(out, ref_out) < 1e-5 and rel_l2(got, ref_grads) < 1e-4

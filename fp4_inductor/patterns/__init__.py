@@ -43,6 +43,13 @@ def find_sites(graph: fx.Graph) -> list[Site]:
     return sites
 
 
+def reads_causal_mask(site: Site) -> bool:
+    """Whether the site's masks are SDPA's own causal structure and nothing else (a dense
+    causal mask, as HF models build under tracing): its BF16 path can then be SDPA's
+    ``is_causal`` (``attention.causal_sdpa``) instead of a mask read per score."""
+    return site.kind != "mha" and site.structure is not None and site.mask_kind() == "causal"
+
+
 def _scale_arg(graph: fx.Graph, scale):
     """A site's softmax scale as a float or a node: SDPA's value as given, or the product
     of a hand-written site's factors (1.0 when Q came pre-scaled)."""
