@@ -87,6 +87,40 @@ def test_hf_training_with_gradient_checkpointing(name):
     assert cosine(got[True], got[False]) >= 0.9995
 
 
+@pytest.mark.parametrize("padded", [False, True], ids=["no-mask", "left-padded"])
+def test_hf_training_masks_keep_their_structure_under_checkpointing(padded):
+    """Training without a cache: HF builds its mask once, outside the checkpointed layers
+    (``masks.lift_mask_structures`` reads it there), and without an ``attention_mask`` it
+    also compares packed-sequence ids derived from the positions (all one sequence when
+    the positions are its own ramp).  Both still reach the op as structure; position ids
+    passed in (packed data, perhaps) stay a dense mask.  Loss gradients as eager's."""
+    model = _causal_lm("llama", "sdpa").train()
+    model.config.use_cache = False
+    model.gradient_checkpointing_enable()
+    ids, mask = _batch(padded)
+    kwargs = {"input_ids": ids, **({"attention_mask": mask} if padded else {})}
+    want = "causal+padding" if padded else "causal"
+    report = fp4_inductor.explain(model, **kwargs, policy="always")
+    assert [s.mask for s in report.sites] == [want, want], str(report)
+    if not padded:
+        packed = fp4_inductor.explain(model, **kwargs, position_ids=torch.arange(N).repeat(B, 1), policy="always")
+        assert [s.mask for s in packed.sites] == ["dense", "dense"], str(packed)
+
+    def step(fn):
+        model.zero_grad()
+        out = fn(**kwargs).logits
+        out[mask.bool()].float().pow(2).mean().backward()
+        return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+    ref = step(model)
+    torch._dynamo.reset()
+    with fp4_inductor.configure(policy="always"):
+        (got, shapes) = fwd_inputs(step, torch.compile(model, backend="fp4attn"))
+    assert len(shapes) >= 2 and all(s[6] in ([], [B, 1, 1, NK]) for s in shapes), shapes  # no [.., N, N] bias
+    assert cosine(got, ref) >= 0.98
+    model.gradient_checkpointing_disable()
+
+
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 def test_generate_left_padded(cache):
     """Greedy tokens of a compiled generate(): eager's under policy="never", our ops under

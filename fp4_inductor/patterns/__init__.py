@@ -15,7 +15,7 @@ import torch.fx as fx
 
 from ..attention import combine_masks, lowp_attention
 from .common import Site, kind, value
-from .masks import erase_dead, materialize
+from .masks import erase_dead, lift_mask_structures, materialize
 from .encoder import is_fast_path, match_fast_path, replace_fast_path
 from .mha import match_mha, replace_mha
 from .sdpa import match_sdpa, match_sdpa_backend
@@ -28,8 +28,13 @@ def graph_modules(gm: fx.GraphModule) -> list[fx.GraphModule]:
     """``gm`` and the graphs of the higher-order ops it calls (activation checkpointing's
     bodies, ``torch.cond`` branches, ...), which Dynamo keeps as submodules: attention
     inside them is rewritten there, and recomputing a checkpointed body reruns the same
-    deterministic quantization."""
-    return [m for m in gm.modules() if isinstance(m, fx.GraphModule)]
+    deterministic quantization.  Callers come before their bodies, and the masks a caller
+    passes into a checkpointed body are tagged with their structure there
+    (``masks.lift_mask_structures``)."""
+    modules = [m for m in gm.modules() if isinstance(m, fx.GraphModule)]
+    for module in modules:
+        lift_mask_structures(module)
+    return modules
 
 
 def find_sites(graph: fx.Graph) -> list[Site]:

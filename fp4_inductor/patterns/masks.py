@@ -65,6 +65,14 @@ class _Const:
 
 
 @dataclasses.dataclass(frozen=True)
+class _Fill:
+    """An integer tensor with one (affine) value everywhere: what HF's packed-sequence
+    detection computes from default position ids (``(diff(pos) != 1).cumsum(-1)``, all 0)."""
+
+    value: tuple
+
+
+@dataclasses.dataclass(frozen=True)
 class _Not:
     """The complement of a structure with no simpler form (``~(tril & ~tril(-w))``, which
     a drop mask undoes)."""
@@ -123,6 +131,8 @@ class _Evaluator:
         return self._eval(node)
 
     def _eval(self, node: fx.Node):
+        if node.op == "placeholder":  # a mask built outside a checkpointed body (lift_mask_structures)
+            return node.meta.get(_LIFTED)
         target, k = node.target, kind(node)
         if node.op == "call_function" and target is torch.arange:
             args = node.args
@@ -144,6 +154,8 @@ class _Evaluator:
                 base, off = self(b), _affine(a)
             if isinstance(base, (_Index, _Arange)) and off is not None:
                 return dataclasses.replace(base, offset=_add(base.offset, off, sign))
+            if isinstance(base, _Fill) and off is not None:
+                return _Fill(_add(base.value, off, sign))
             return None
         if k == "getitem":
             return self._getitem(node)
@@ -168,11 +180,45 @@ class _Evaluator:
         if node.op == "call_function" and target in (torch.tril, torch.triu) or \
                 (node.op == "call_method" and target in ("tril", "triu")):
             return self._triangle(node)
+        return self._packed_sequences(node)
+
+    def _packed_sequences(self, node: fx.Node):
+        """HF's packed-sequence ids, ``(diff(pos, prepend=pos[:, :1] - 1) != 1).cumsum(-1)``,
+        and their comparison ``ids[b, q] == ids[b, kv]``: with positions a ramp (no ids
+        passed in, nothing packed) the ids are all 0 and the comparison always holds."""
+        target, args = node.target, node.args
+        if node.op == "call_function" and target is torch.diff:
+            x, prepend = self(args[0]), node.kwargs.get("prepend")
+            if node.kwargs.get("dim", -1) == -1 and isinstance(x, _Index) and x.dim == -1 and prepend is not None \
+                    and self(prepend) == _Fill(_add(x.offset, (-1, ()))):
+                return _Fill((1, ()))
+            return None
+        if (node.op == "call_method" and target == "cumsum") or target is torch.cumsum:
+            inner, dim = self(args[0]), arg_dim(node)
+            return _Fill(_ZERO) if inner == _Const(False) and dim in (-1, 1) else None
+        if node.op == "call_function" and target in (operator.eq, operator.ne, torch.eq, torch.ne) or \
+                (node.op == "call_method" and target in ("eq", "ne", "__eq__", "__ne__")):
+            a, b = self(args[0]), args[1]
+            b = self(b) if isinstance(b, fx.Node) else _Fill(_affine(b)) if _affine(b) is not None else None
+            if isinstance(a, _Fill) and isinstance(b, _Fill) and not a.value[1] and not b.value[1]:
+                same = a.value == b.value
+                return _Const(same if target in (operator.eq, torch.eq, "eq", "__eq__") else not same)
         return None
 
     def _getitem(self, node: fx.Node):
         base, index = node.args
         inner = self(base)
+        if isinstance(inner, _Fill):  # any part of a uniform tensor
+            return inner
+        if isinstance(inner, _Index) and inner.dim == -1 and rank(base) == 2 and isinstance(index, tuple) \
+                and len(index) == 2:
+            # positions [B, N], a ramp over N: pos[:, :1] is its first value, pos[batch_idx, idx] is idx's
+            first, (b, i) = index[1], (self(x) if isinstance(x, fx.Node) else None for x in index)
+            if index[0] == slice(None) and isinstance(first, slice) and first.start in (None, 0) and first.stop == 1:
+                return _Fill(inner.offset)
+            if isinstance(b, _Index) and b.dim == -4 and isinstance(i, _Index) and i.dim in (-1, -2):
+                return _Index(i.dim, _add(i.offset, inner.offset))
+            return None
         if isinstance(inner, _Arange) and isinstance(index, tuple):
             # arange placed on one axis of a broadcast: [None, None, :, None] is the row index
             full = [i for i, x in enumerate(index) if x == slice(None)]
@@ -209,6 +255,10 @@ def arg_dtype(node: fx.Node):
     return node.kwargs.get("dtype")
 
 
+def arg_dim(node: fx.Node):
+    return node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None)
+
+
 def _conjoin(a, b):
     if isinstance(a, _Const) and isinstance(b, _Const):
         return _Const(a.value and b.value)
@@ -241,6 +291,54 @@ def _compare(target, a, b):
     if name == "gt":
         return _Structure(lower=d)
     return _Structure(lower=_add(d, (-1, ())))
+
+
+# Placeholder meta: what a boolean mask passed into a checkpointed body computes.
+_LIFTED = "fp4attn_mask_structure"
+
+
+def lift_mask_structures(gm: fx.GraphModule) -> None:
+    """Under activation checkpointing Dynamo builds the mask once, outside the layers'
+    bodies, and passes it to each ``tag_activation_checkpoint`` call, where the body's
+    site sees a placeholder.  Tag each such placeholder with the structure its boolean
+    operand computes (bounds known at compile time), the key-padding vector it gathers
+    from passed in as one more operand: the body's site then reads the mask as if it were
+    built there.  Bodies called from more than one place are left alone."""
+    for call in list(gm.graph.nodes):
+        if call.op != "call_function" or call.target is not torch.ops.higher_order.tag_activation_checkpoint:
+            continue
+        body_attr = call.args[0]
+        if body_attr.op != "get_attr" or len(body_attr.users) != 1:
+            continue
+        body = getattr(gm, body_attr.target)
+        placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
+        for placeholder, operand in zip(placeholders, call.args[1:]):
+            mask = value(operand)
+            if not (isinstance(mask, torch.Tensor) and mask.dtype == torch.bool and mask.dim() >= 2):
+                continue
+            found = _Evaluator()(operand)
+            if isinstance(found, _Structure):
+                if len(found.pads) > 1 or any(b is not None and b[1] for b in (found.upper, found.lower)) or \
+                        any(offset[1] for _, offset in found.pads):
+                    continue  # symbolic bounds: their nodes live outside the body
+                found = dataclasses.replace(found, pads=tuple((_pass_in(call, body, pad), offset)
+                                                              for pad, offset in found.pads))
+            if isinstance(found, (_Structure, _Const)):
+                placeholder.meta[_LIFTED] = found
+
+
+def _pass_in(call: fx.Node, body: fx.GraphModule, node: fx.Node) -> fx.Node:
+    """``node`` of the calling graph as a placeholder of ``body``: the one it already
+    reaches, or a new last operand."""
+    placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
+    for placeholder, operand in zip(placeholders, call.args[1:]):
+        if operand is node:
+            return placeholder
+    with body.graph.inserting_after(placeholders[-1]):
+        new = body.graph.placeholder(f"{node.name}_lifted")
+    new.meta.update({k: v for k, v in node.meta.items() if k in ("example_value", "val", "tensor_meta")})
+    call.args = (*call.args, node)
+    return new
 
 
 def mask_structure(node, keep: bool = True) -> MaskStructure | None:
