@@ -19,6 +19,7 @@ from .config import Options
 from .attention import causal_sdpa
 from .patterns import find_sites, graph_modules, reads_causal_mask, replace_site
 from .patterns.common import value
+from .patterns.masks import drop_unread_masks
 from .patterns.softmax import softmax_over_other_dim
 from .policy import Decision, decide, unsupported_reason
 from .tuning import load_decisions
@@ -87,8 +88,11 @@ def _record(site, decision: Decision) -> SiteRecord:
 def rewrite(gm: torch.fx.GraphModule, options: Options) -> list[SiteRecord]:
     """Rewrite ``gm`` and the graphs nested in it (``graph_modules``)."""
     rewrite_pass = AttentionRewritePass(options)
-    for module in graph_modules(gm):
+    modules = graph_modules(gm)
+    for module in modules:
         rewrite_pass(module.graph)
+    for module in reversed(modules):  # bodies first: what they no longer read
+        drop_unread_masks(module)
         module.graph.lint()
         module.recompile()
     return rewrite_pass.records

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import fp4_inductor
+from fp4_inductor import config
 from helpers import cosine, fwd_inputs, op_calls, rel_l2
 
 transformers = pytest.importorskip("transformers")
@@ -113,6 +114,13 @@ def test_hf_training_masks_keep_their_structure_under_checkpointing(padded):
         return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
 
     ref = step(model)
+    backend, graphs = _rewritten_graphs(config.current().replace(policy="always"))
+    torch._dynamo.reset()
+    assert cosine(step(torch.compile(model, backend=backend)), ref) >= 0.98
+    operands = [a for g in graphs for n in g.graph.nodes
+                if n.target is torch.ops.higher_order.tag_activation_checkpoint for a in n.args[1:]]
+    square = [a for a in operands if isinstance(a, torch.fx.Node) and a.meta["example_value"].shape[-2:] == (N, N)]
+    assert len(operands) > 2 * 5 and not square, square  # the mask no body reads is not passed in
     torch._dynamo.reset()
     with fp4_inductor.configure(policy="always"):
         (got, shapes) = fwd_inputs(step, torch.compile(model, backend="fp4attn"))
@@ -209,8 +217,6 @@ def test_bf16_site_runs_its_causal_mask_as_is_causal(site):
     [B, 1, N, N] mask under tracing) runs SDPA's is_causal with no mask tensor built:
     the flash/cuDNN kernels skip the masked half rather than read the mask per score.
     Output and gradients as eager's, through the rewritten graph and through Inductor."""
-    from fp4_inductor import config
-
     if site == "llama-eager":
         model, args, kwargs = _causal_lm("llama", "eager").train(), (), {"input_ids": _batch(False)[0]}
     else:

@@ -327,6 +327,29 @@ def lift_mask_structures(gm: fx.GraphModule) -> None:
                 placeholder.meta[_LIFTED] = found
 
 
+def drop_unread_masks(gm: fx.GraphModule) -> None:
+    """Once the bodies are rewritten, a mask no body reads any more is no longer passed in
+    (nor built, where nothing else reads it): checkpointing would keep it alive, an
+    ``N x N`` tensor, from the forward to the recomputation."""
+    for call in list(gm.graph.nodes):
+        if call.op != "call_function" or call.target is not torch.ops.higher_order.tag_activation_checkpoint:
+            continue
+        body_attr = call.args[0]
+        if body_attr.op != "get_attr" or len(body_attr.users) != 1:
+            continue
+        body = getattr(gm, body_attr.target)
+        placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
+        unread = [i for i, p in enumerate(placeholders) if _LIFTED in p.meta and not p.users]
+        if not unread or len(placeholders) != len(call.args) - 1:
+            continue
+        dropped = [call.args[1 + i] for i in unread]
+        call.args = (body_attr, *(a for i, a in enumerate(call.args[1:]) if i not in unread))
+        for i in unread:
+            body.graph.erase_node(placeholders[i])
+        body.recompile()
+        erase_dead(dropped)
+
+
 def _pass_in(call: fx.Node, body: fx.GraphModule, node: fx.Node) -> fx.Node:
     """``node`` of the calling graph as a placeholder of ``body``: the one it already
     reaches, or a new last operand."""
