@@ -3,9 +3,11 @@
     python benchmarks/policy_grid.py
 
 Shapes: N 256 .. 32k, B H 8 .. 512, D 64 and 128, causal on and off, inference and
-training (forward + backward).  Each shape runs both paths in the same process:
-BF16 (torch SDPA, what a fallback site runs) and fp8 (``lowp_attention``: the
-quantization op, the forward kernel and, in training, the backward kernels).  Times are
+training (forward + backward), and training with key padding (HF's ``attention_mask``:
+a quarter of the keys of every other sequence padded).  Each shape runs both paths in
+the same process: BF16 (torch SDPA, what a fallback site runs: with padding, on the dense
+mask that HF builds) and fp8 (``lowp_attention``: the quantization op, the forward
+kernel and, in training, the backward kernels; with padding, the key-padding vector).  Times are
 the median of three alternating rounds of triton do_bench medians.  The policy's pick is the cost
 model's (``policy.cost_model_decision``) over the shipped table for this GPU, which was
 measured by bench_attention.py, not by this script.  Targets (issue 5): the faster path
@@ -39,10 +41,17 @@ ROUNDS = 3
 
 
 def grid():
-    for training in (False, True):
+    for training, padded in ((False, False), (True, False), (True, True)):
         for d in (64, 128):
             for i, (b, h, n) in enumerate(SIZES):
-                yield dict(b=b, h=h, n=n, d=d, causal=i % 2 == 1, training=training)
+                yield dict(b=b, h=h, n=n, d=d, causal=i % 2 == 1, training=training, padded=padded)
+
+
+def key_padding(b: int, n: int, device) -> torch.Tensor:
+    """[B, N] keys kept: every other sequence (the first, with B = 1) loses its last quarter."""
+    keep = torch.ones(b, n, dtype=torch.bool, device=device)
+    keep[::2, n - n // 4:] = False
+    return keep
 
 
 def measure(shape) -> dict[str, float]:
@@ -51,8 +60,14 @@ def measure(shape) -> dict[str, float]:
     b, h, n, d, causal, training = (shape[k] for k in ("b", "h", "n", "d", "causal", "training"))
     q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=training) for _ in range(3))
     dout = torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16)
-    paths = {"bf16": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal),
-             "fp8": lambda: lowp_attention(q, k, v, is_causal=causal)}
+    if shape.get("padded"):
+        keep = key_padding(b, n, q.device)
+        dense = keep[:, None, None, :] & (torch.ones(n, n, dtype=torch.bool, device=q.device).tril() if causal else True)
+        paths = {"bf16": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense),
+                 "fp8": lambda: lowp_attention(q, k, v, is_causal=causal, key_padding=keep)}
+    else:
+        paths = {"bf16": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal),
+                 "fp8": lambda: lowp_attention(q, k, v, is_causal=causal)}
     runs, outputs = {}, {}
     for name, fn in paths.items():
         if training:
@@ -82,9 +97,10 @@ def plot(doc, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 2, figsize=(11, 8), sharex=True, sharey=True)
+    modes = ("inference", "training", "training, key padding")
+    fig, axes = plt.subplots(len(modes), 2, figsize=(11, 11), sharex=True, sharey=True)
     for row in doc["rows"]:
-        ax = axes[int(row["training"])][0 if row["d"] == 64 else 1]
+        ax = axes[int(row["training"]) + int(bool(row.get("padded")))][0 if row["d"] == 64 else 1]
         faster = "fp8" if row["fp8_ms"] < row["bf16_ms"] else "bf16"
         color = {"fp8": "tab:orange", "bf16": "tab:blue"}[row["pick"]]
         marker = "^" if row["causal"] else "o"
@@ -92,7 +108,7 @@ def plot(doc, path):
                    edgecolors="red" if row["pick"] != faster else "black", linewidths=2 if row["pick"] != faster else 0.5)
         ax.annotate(f"{row['bf16_ms'] / row['fp8_ms']:.2f}", (row["n"], row["b"] * row["h"]), fontsize=7,
                     xytext=(5, 5), textcoords="offset points")
-    for i, mode in enumerate(("inference", "training")):
+    for i, mode in enumerate(modes):
         for j, d in enumerate((64, 128)):
             ax = axes[i][j]
             ax.set(xscale="log", yscale="log", title=f"{mode}, D={d}", xlabel="N", ylabel="B*H")
@@ -110,7 +126,10 @@ def plot(doc, path):
 def judge(row, model, gpu):
     """The cost model's pick for a timed grid row, and how much slower it is than the
     faster path (the timings do not depend on the table, so a row can be judged again)."""
-    site = policy.SiteShape(row["b"], row["h"], row["h"], row["n"], row["n"], row["d"], row["causal"], row["training"])
+    mask = ("causal+padding" if row["causal"] else "padding") if row.get("padded") else \
+        ("causal" if row["causal"] else "none")
+    site = policy.SiteShape(row["b"], row["h"], row["h"], row["n"], row["n"], row["d"], row["causal"], row["training"],
+                            mask=mask)
     decision = policy.cost_model_decision(site, "fp8", model, gpu)
     row.update(pick=decision.path, reason=decision.reason, predicted_speedup=decision.predicted_speedup)
     row["regret"] = row[f"{row['pick']}_ms"] / min(row["bf16_ms"], row["fp8_ms"]) - 1
@@ -168,9 +187,10 @@ def main():
         json.dump(doc, f, indent=1)
     plot(doc, args.out + ".png")
     rows = doc["rows"]
-    print(f"{'mode':5} {'d':>3} {'B':>3} {'H':>3} {'N':>6} {'c':1} {'bf16 ms':>8} {'fp8 ms':>8} {'x':>5} {'pick':>4} {'regret':>6}")
+    print(f"{'mode':9} {'d':>3} {'B':>3} {'H':>3} {'N':>6} {'c':1} {'bf16 ms':>8} {'fp8 ms':>8} {'x':>5} {'pick':>4} {'regret':>6}")
     for r in rows:
-        print(f"{'train' if r['training'] else 'fwd':5} {r['d']:3} {r['b']:3} {r['h']:3} {r['n']:6} {'c' if r['causal'] else 'f'} "
+        mode = ("train+pad" if r.get("padded") else "train") if r["training"] else "fwd"
+        print(f"{mode:9} {r['d']:3} {r['b']:3} {r['h']:3} {r['n']:6} {'c' if r['causal'] else 'f'} "
               f"{r['bf16_ms']:8.3f} {r['fp8_ms']:8.3f} {r['bf16_ms'] / r['fp8_ms']:5.2f} {r['pick']:>4} {100 * r['regret']:5.1f}%")
     print(json.dumps(doc["summary"]))
 

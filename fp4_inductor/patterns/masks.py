@@ -304,13 +304,7 @@ def lift_mask_structures(gm: fx.GraphModule) -> None:
     operand computes (bounds known at compile time), the key-padding vector it gathers
     from passed in as one more operand: the body's site then reads the mask as if it were
     built there.  Bodies called from more than one place are left alone."""
-    for call in list(gm.graph.nodes):
-        if call.op != "call_function" or call.target is not torch.ops.higher_order.tag_activation_checkpoint:
-            continue
-        body_attr = call.args[0]
-        if body_attr.op != "get_attr" or len(body_attr.users) != 1:
-            continue
-        body = getattr(gm, body_attr.target)
+    for call, body in _checkpoint_calls(gm):
         placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
         for placeholder, operand in zip(placeholders, call.args[1:]):
             mask = value(operand)
@@ -331,6 +325,22 @@ def drop_unread_masks(gm: fx.GraphModule) -> None:
     """Once the bodies are rewritten, a mask no body reads any more is no longer passed in
     (nor built, where nothing else reads it): checkpointing would keep it alive, an
     ``N x N`` tensor, from the forward to the recomputation."""
+    for call, body in _checkpoint_calls(gm):
+        placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
+        unread = [i for i, p in enumerate(placeholders) if _LIFTED in p.meta and not p.users]
+        if not unread:
+            continue
+        dropped = [call.args[1 + i] for i in unread]
+        call.args = (call.args[0], *(a for i, a in enumerate(call.args[1:]) if i not in unread))
+        for i in unread:
+            body.graph.erase_node(placeholders[i])
+        body.recompile()
+        erase_dead(dropped)
+
+
+def _checkpoint_calls(gm: fx.GraphModule):
+    """(call, body) for each ``tag_activation_checkpoint`` call of ``gm`` whose body no
+    other call shares and takes the call's operands one placeholder each."""
     for call in list(gm.graph.nodes):
         if call.op != "call_function" or call.target is not torch.ops.higher_order.tag_activation_checkpoint:
             continue
@@ -338,16 +348,8 @@ def drop_unread_masks(gm: fx.GraphModule) -> None:
         if body_attr.op != "get_attr" or len(body_attr.users) != 1:
             continue
         body = getattr(gm, body_attr.target)
-        placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
-        unread = [i for i, p in enumerate(placeholders) if _LIFTED in p.meta and not p.users]
-        if not unread or len(placeholders) != len(call.args) - 1:
-            continue
-        dropped = [call.args[1 + i] for i in unread]
-        call.args = (body_attr, *(a for i, a in enumerate(call.args[1:]) if i not in unread))
-        for i in unread:
-            body.graph.erase_node(placeholders[i])
-        body.recompile()
-        erase_dead(dropped)
+        if sum(n.op == "placeholder" for n in body.graph.nodes) == len(call.args) - 1:
+            yield call, body
 
 
 def _pass_in(call: fx.Node, body: fx.GraphModule, node: fx.Node) -> fx.Node:
