@@ -6,7 +6,7 @@
 Writes fp4_inductor/tables/<gpu>.json: TFLOP/s per path, head dim, causality and mode,
 at each measured N.  Forward: low precision is charged with its quantization pass
 ("+quant" rows: the conservative case where Inductor finds no producer to fuse it
-into); BF16 is the faster of torch SDPA's cuDNN and flash backends, so the policy never
+into), and the kernels' rate alone is kept beside it ("-kernel"); BF16 is the faster of torch SDPA's cuDNN and flash backends, so the policy never
 assumes a slower fallback than the user would get.  Training (fwd+bwd, from
 ``bench_attention.py --training [--non-causal]``): our compiled forward + backward against
 the same SDPA backends.  Masked sites (``--masked``, from
@@ -28,7 +28,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from fp4_inductor import policy  # noqa: E402
 
-PATHS = {"fp8": ["ours-direct+quant"], "fp4": ["ours-fp4+quant"], "bf16": ["sdpa-cudnn-bf16", "sdpa-flash-bf16"]}
+PATHS = {"fp8": ["ours-direct+quant"], "fp4": ["ours-fp4+quant"], "bf16": ["sdpa-cudnn-bf16", "sdpa-flash-bf16"],
+         # the kernels alone: what the quantization pass adds is the difference, which a GQA
+         # site pays on fewer K/V heads (policy.CostTable.speedup)
+         "fp8-kernel": ["ours-direct"], "fp4-kernel": ["ours-fp4"]}
 TRAINING_PATHS = {"fp8": ["ours-direct-compiled"], "bf16": ["sdpa-cudnn-bf16", "sdpa-flash-bf16"]}
 # Fixed cost of the low-precision path's extra kernels (quantization of Q, K, V and K's
 # mean) at shapes too small to fill the GPU: about five launches of ~3 us.

@@ -160,6 +160,12 @@ class SiteShape:
         512 text keys, at 1.36x BF16; it ran at 0.75x (H200, 2026-12-03)."""
         return 2.0 * self.nq * self.nk / (self.nq + self.nk)
 
+    def quantized_share(self) -> float:
+        """The elements this site quantizes over those of the same site with a K/V head per
+        query head (as the cost table was measured): GQA and MQA quantize K and V once per
+        shared head."""
+        return (self.h * self.nq + 2 * self.hkv * self.nk) / (self.h * self.nq + 2 * self.h * self.nk)
+
     @property
     def masked(self) -> bool:
         """Whether the site has a mask beyond SDPA's own causal structure."""
@@ -179,7 +185,8 @@ class CostTable:
     """Measured throughput per path on one GPU model (a data file in ``tables/``).
 
     ``rates[path][key]`` lists ``(N, TFLOP/s)`` measured on FlashAttention-3's grid
-    (B N = 16k, H D = 2048); low-precision rates include the quantization pass.
+    (B N = 16k, H D = 2048); low-precision rates include the quantization pass, and
+    ``<path>-kernel`` (forward) is the kernels' alone.
     ``launch_us``: fixed cost of the extra kernels of the low-precision path.
     """
 
@@ -232,8 +239,12 @@ class CostTable:
         # The table's grid fills the GPU; a small site pays the same wave inefficiency on
         # both paths, plus the low-precision path's fixed launch costs.
         t_bf16 = flops / (bf16 * 1e12)
-        t_low = flops / (low * 1e12) + self.launch_us * 1e-6
-        return t_bf16 / t_low
+        t_low = flops / (low * 1e12)
+        kernel = self.rate(f"{fmt}-kernel", shape)
+        if kernel is not None and kernel > low:  # the quantization's part, for this site's K/V heads
+            t_kernel = flops / (kernel * 1e12)
+            t_low = t_kernel + (t_low - t_kernel) * shape.quantized_share()
+        return t_bf16 / (t_low + self.launch_us * 1e-6)
 
 
 @dataclasses.dataclass(frozen=True)

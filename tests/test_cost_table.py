@@ -38,7 +38,7 @@ def test_table_takes_the_charged_fp8_rows_and_the_faster_bf16_backend(tmp_path, 
     train_ours = train_cudnn * rng.uniform(1.15, 1.5)  # past the policy's margin
     forward = [
         _row("ours-direct+quant", 128, 4096, False, quant),
-        _row("ours-direct", 128, 4096, False, bare + 1000),  # without quantization: not the path's cost
+        _row("ours-direct", 128, 4096, False, bare + 1000),  # the kernel alone: the quantization's part apart
         _row("sdpa-cudnn-bf16", 128, 4096, False, cudnn),
         _row("sdpa-flash-bf16", 128, 4096, False, flash),
         _row("fa4-bf16", 128, 4096, False, 5000.0),  # not a fallback the user gets
@@ -74,7 +74,18 @@ def test_table_takes_the_charged_fp8_rows_and_the_faster_bf16_backend(tmp_path, 
                                      "d128/causal/train": {"32768": round(train_cudnn, 1)},
                                      "d128/full/train": {"32768": round(full_cudnn, 1)}}
 
+    assert doc["tflops"]["fp8-kernel"] == {"d128/full/fwd": {"4096": round(bare + 1000, 1)}}
+
     table = policy.CostTable.from_json(out.read_text())
+    # Inference: the charged rate for a K/V head per query head; GQA quantizes K and V
+    # once per shared head (here 4), so the quantization's part shrinks to half.
+    mha = policy.SiteShape(b=4, h=16, hkv=16, nq=4096, nk=4096, d=128, causal=False, training=False)
+    gqa = dataclasses.replace(mha, hkv=4)
+    t_bf16, t_kernel, t_charged = (mha.flops() / (round(r, 1) * 1e12) for r in (max(cudnn, flash), bare + 1000, quant))
+    launch = table.launch_us * 1e-6
+    assert table.speedup(mha, "fp8") == pytest.approx(t_bf16 / (t_charged + launch))
+    assert gqa.quantized_share() == pytest.approx(0.5)
+    assert table.speedup(gqa, "fp8") == pytest.approx(t_bf16 / (t_kernel + 0.5 * (t_charged - t_kernel) + launch))
     shape = policy.SiteShape(b=1, h=16, hkv=16, nq=32768, nk=32768, d=128, causal=True, training=True)
     flops = shape.flops()
     want = (flops / (round(train_cudnn, 1) * 1e12)) / (flops / (round(train_ours, 1) * 1e12)
