@@ -248,3 +248,26 @@ def test_bf16_site_runs_its_causal_mask_as_is_causal(site):
     with fp4_inductor.configure(**bf16):
         out, got = loss_and_grads(torch.compile(model, backend="fp4attn"))
     assert rel_l2(out, ref_out) < 1e-5 and rel_l2(got, ref_grads) < 1e-4
+
+
+@pytest.mark.gpu
+def test_bf16_causal_mask_reaches_sdpa_without_a_bias_on_gpu():
+    """On CUDA the rewritten BF16 site is SDPA's own causal kernel: no bias goes to the
+    fused attention op, which under the dense mask reads one per score (cuDNN's bias path
+    in the H200's Llama profile)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    module = TrilMasked(sdpa=True).cuda().to(torch.bfloat16).eval()
+    x = torch.randn(B, 256, 64, device="cuda", dtype=torch.bfloat16)
+    torch._dynamo.reset()
+    with torch.no_grad(), fp4_inductor.configure(overrides=(("*", "bf16"),)):
+        compiled = torch.compile(module, backend="fp4attn")
+        compiled(x)
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+            out = compiled(x)
+    assert rel_l2(out, module(x)) < 0.01
+    fused = [(e.name, e.input_shapes) for e in prof.events() if e.name in (
+        "aten::_scaled_dot_product_cudnn_attention", "aten::_scaled_dot_product_efficient_attention",
+        "aten::_scaled_dot_product_flash_attention")]
+    # flash takes no bias; cuDNN and the efficient kernel take it fourth
+    assert fused and all("flash" in name or len(shapes) < 4 or shapes[3] == [] for name, shapes in fused), fused
