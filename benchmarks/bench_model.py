@@ -12,12 +12,12 @@ tokens at each S, with the ``attention_mask`` that ``generate()`` passes and wit
 FLUX.1-dev configuration, one denoising step at 1024^2 and 2048^2) and ``wan``
 (``WanTransformer3DModel``, Wan2.1-14B, 81 frames at 480p and 720p).  Backends, timed
 interleaved in one process: ``inductor`` (the default), ``fp4attn`` under ``auto`` (what a
-user gets), under ``always`` (every site in low precision) and with every site on ``bf16``
-(what the rewrite gives without low precision: a causal mask run as SDPA's ``is_causal``).  Per point: median step
-time, tokens/s, the ratio to ``inductor``, the output's rel-L2 against ``inductor``'s
-(inference), peak memory, compile time (apart), attention's
-share of the ``inductor`` step and which SDPA kernels it ran (profiler), and the ``auto``
-policy's picks (``explain``).  JSON and PNG under ``benchmarks/results/``.
+user gets), under ``always`` (every site in low precision) and with every site on
+``bf16`` (what the rewrite gives without low precision: a causal mask run as SDPA's
+``is_causal``).  Per point: median step time, tokens/s, the ratio to ``inductor``, the
+output's rel-L2 against ``inductor``'s (inference), peak memory, compile time (apart),
+attention's share of the ``inductor`` step and which SDPA kernels it ran (profiler),
+and the ``auto`` policy's picks (``explain``).  JSON and PNG under ``benchmarks/results/``.
 """
 
 from __future__ import annotations

@@ -6,9 +6,10 @@
 Writes fp4_inductor/tables/<gpu>.json: TFLOP/s per path, head dim, causality and mode,
 at each measured N.  Forward: low precision is charged with its quantization pass
 ("+quant" rows: the conservative case where Inductor finds no producer to fuse it
-into), and the kernels' rate alone is kept beside it ("-kernel"); BF16 is the faster of torch SDPA's cuDNN and flash backends, so the policy never
-assumes a slower fallback than the user would get.  Training (fwd+bwd, from
-``bench_attention.py --training [--non-causal]``): our compiled forward + backward against
+into), and the kernels' rate alone is kept beside it ("-kernel"); BF16 is the faster
+of torch SDPA's cuDNN and flash backends, so the policy never assumes a slower fallback
+than the user would get.  Training (fwd+bwd, from ``bench_attention.py --training
+[--non-causal]``): our compiled forward + backward against
 the same SDPA backends.  Masked sites (``--masked``, from
 ``benchmarks/lab/explore_masked_sites.py``): key padding and sliding windows, keyed by
 the site's mask kind; low precision is what the backend runs (quantization counted), BF16

@@ -7,8 +7,8 @@ training (forward + backward), and training with key padding (HF's ``attention_m
 a quarter of the keys of every other sequence padded).  Each shape runs both paths in
 the same process: BF16 (torch SDPA, what a fallback site runs: with padding, on the dense
 mask that HF builds) and fp8 (``lowp_attention``: the quantization op, the forward
-kernel and, in training, the backward kernels; with padding, the key-padding vector).  Times are
-the median of three alternating rounds of triton do_bench medians.  The policy's pick is the cost
+kernel and, in training, the backward kernels; with padding, the key-padding vector).
+Times are the median of three alternating rounds of triton do_bench medians.  The policy's pick is the cost
 model's (``policy.cost_model_decision``) over the shipped table for this GPU, which was
 measured by bench_attention.py, not by this script.  Targets (issue 5): the faster path
 for >= 95 % of shapes, never more than 3 % slower than it.
