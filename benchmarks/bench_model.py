@@ -332,6 +332,9 @@ def main():
     if args.tiny:
         args.seqs, args.tokens, args.train_seqs = [s for s in args.seqs if s <= 64] or [32, 64], 128, [64]
         args.layers = args.train_layers = 2
+    # transformers >= 5.25 sets module state inside each checkpointed layer: without this,
+    # Dynamo runs those layers eagerly, under every backend alike (README, the training example).
+    torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
     from tqdm import tqdm
 
     points = []

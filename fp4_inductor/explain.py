@@ -84,8 +84,16 @@ def explain(model_or_fn, *args, policy: str | None = None, fmt: str | None = Non
         run_once(model_or_fn, recording_backend, *args, **kwargs)
     except Exception as err:  # reported: explain is how a user finds out why
         error = _summary(err)
-    breaks = [reason.strip().splitlines()[0] for reason in counters["graph_break"]]
+    breaks = [_break_line(reason) for reason in counters["graph_break"]]
     return Report(records, graphs=len(graphs), graph_breaks=breaks, error=error)
+
+
+def _break_line(reason: str) -> str:
+    """Dynamo's reason for a graph break, its first line and, where it gives one, its hint:
+    the hint is often the fix (a config flag, a function to mark)."""
+    lines = [line.strip() for line in reason.strip().splitlines() if line.strip()]
+    hints = [line for line in lines[1:] if line.startswith("Hint:")]
+    return " ".join(lines[:1] + hints[:1])
 
 
 def _summary(err: Exception) -> str:

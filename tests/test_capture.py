@@ -364,3 +364,35 @@ def test_attention_inside_activation_checkpointing(mode):
     # once, seed 274823293); a broken recompute gives far less.
     assert cosine(checkpointed, plain) >= 0.9995
     assert cosine(checkpointed, step(attend, x)) >= 0.98
+
+
+class _Registry:
+    """Module-level state, as a library's registry of active kernels is."""
+
+    def __init__(self):
+        self.active = None
+
+
+_REGISTRY = _Registry()
+
+
+def test_side_effect_in_a_checkpointed_body_is_explained():
+    """A checkpointed body that sets state outside itself (as transformers >= 5.25's hub-kernel
+    wrapper does in each attention) makes Dynamo run the whole frame eagerly; ``explain``
+    passes on Dynamo's hint, and with the flag it names, the site is rewritten."""
+    from torch.utils.checkpoint import checkpoint
+
+    def attend(x):
+        previous, _REGISTRY.active = _REGISTRY.active, {"rotary": _Registry()}  # set and reset, as a context
+        q, k, v = x.view(2, 48, 3, 2, 32).permute(2, 0, 3, 1, 4)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        _REGISTRY.active = previous
+        return out
+
+    x = torch.randn(2, 48, 192, requires_grad=True)
+    step = lambda x: checkpoint(attend, x, use_reentrant=False)  # noqa: E731
+    text = str(fp4_inductor.explain(step, x, policy="always"))
+    assert "captured no graph" in text and "skip_fwd_side_effects_in_bwd_under_checkpoint" in text, text
+    with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True):
+        report = fp4_inductor.explain(step, x, policy="always")
+    assert [s.mask for s in report.sites] == ["causal"] and not report.graph_breaks, str(report)
