@@ -21,7 +21,7 @@ from .patterns import find_sites, graph_modules, reads_causal_mask, replace_site
 from .patterns.common import value
 from .patterns.masks import drop_unread_masks
 from .patterns.softmax import softmax_over_other_dim
-from .policy import Decision, decide, unsupported_reason
+from .policy import Decision, decide
 from .tuning import load_decisions
 
 
@@ -58,7 +58,7 @@ class AttentionRewritePass:
             if decision.low_precision:
                 replace_site(graph, site, decision.path, self.options.p_mode_for(decision.path),
                              min_keys=decision.min_keys)
-            elif self.options.policy != "never" and reads_causal_mask(site) and unsupported_reason(site) is None:
+            elif self.options.policy != "never" and not decision.unsupported and reads_causal_mask(site):
                 replace_site(graph, site, "bf16", None, target=causal_sdpa)
                 decision = dataclasses.replace(decision, reason=decision.reason + "; causal mask run as is_causal")
             self.records.append(_record(site, decision))

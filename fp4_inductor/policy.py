@@ -38,6 +38,8 @@ class Decision:
     predicted_speedup: float | None = None
     # Dynamic key length: low precision only from this many keys, chosen per call.
     min_keys: int | None = None
+    # The site as written is outside what any rewrite supports: it stays exactly as it is.
+    unsupported: bool = False
 
     @property
     def low_precision(self) -> bool:
@@ -355,7 +357,7 @@ def decide(site: Site, options: Options, tuned: dict | None = None) -> Decision:
     ``tuned``: decisions measured by ``tune()`` for this GPU, keyed by ``site_key``."""
     reason = unsupported_reason(site)
     if reason is not None:
-        return Decision("bf16", reason)
+        return Decision("bf16", reason, unsupported=True)
     for pattern, path in options.overrides:
         if fnmatch.fnmatchcase(site.name, pattern):
             return Decision(path, f"override {pattern!r} -> {path}")
