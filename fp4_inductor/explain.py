@@ -32,8 +32,10 @@ class Report:
     def _no_sites(self) -> str:
         if self.error is not None:
             return f"fp4attn: tracing failed, so no site could be examined: {self.error}"
-        if self.graphs == 0 and self.graph_breaks:
-            return "fp4attn: Dynamo captured no graph with attention in it: its graph breaks (below) left it outside"
+        if self.graph_breaks:
+            captured = (f"none of the {self.graphs} graph(s) Dynamo captured has attention in it" if self.graphs
+                        else "Dynamo captured no graph")
+            return f"fp4attn: {captured}: its graph breaks (below) left attention outside"
         if self.graphs == 0:
             return ("fp4attn: Dynamo captured no graph (the frame was skipped: torch.compiler.disable, "
                     "a skipped module, or nothing to trace), so no attention was seen")
@@ -93,7 +95,7 @@ def _break_line(reason: str) -> str:
     the hint is often the fix (a config flag, a function to mark)."""
     lines = [line.strip() for line in reason.strip().splitlines() if line.strip()]
     hints = [line for line in lines[1:] if line.startswith("Hint:")]
-    return " ".join(lines[:1] + hints[:1])
+    return "; ".join(lines[:1] + hints[:1])
 
 
 def _summary(err: Exception) -> str:
