@@ -188,13 +188,13 @@ class _Evaluator:
         passed in, nothing packed) the ids are all 0 and the comparison always holds."""
         target, args = node.target, node.args
         if node.op == "call_function" and target is torch.diff:
-            x, prepend = self(args[0]), node.kwargs.get("prepend")
-            if node.kwargs.get("dim", -1) == -1 and isinstance(x, _Index) and x.dim == -1 and prepend is not None \
-                    and self(prepend) == _Fill(_add(x.offset, (-1, ()))):
+            x, prepend = self(args[0]), arg(node, 3, "prepend")
+            if arg(node, 1, "n", 1) == 1 and arg(node, 2, "dim", -1) == -1 and isinstance(x, _Index) \
+                    and x.dim == -1 and prepend is not None and self(prepend) == _Fill(_add(x.offset, (-1, ()))):
                 return _Fill((1, ()))
             return None
         if (node.op == "call_method" and target == "cumsum") or target is torch.cumsum:
-            inner, dim = self(args[0]), arg_dim(node)
+            inner, dim = self(args[0]), arg(node, 1, "dim")
             return _Fill(_ZERO) if inner == _Const(False) and dim in (-1, 1) else None
         if node.op == "call_function" and target in (operator.eq, operator.ne, torch.eq, torch.ne) or \
                 (node.op == "call_method" and target in ("eq", "ne", "__eq__", "__ne__")):
@@ -255,10 +255,6 @@ def arg_dtype(node: fx.Node):
     return node.kwargs.get("dtype")
 
 
-def arg_dim(node: fx.Node):
-    return node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None)
-
-
 def _conjoin(a, b):
     if isinstance(a, _Const) and isinstance(b, _Const):
         return _Const(a.value and b.value)
@@ -304,8 +300,7 @@ def lift_mask_structures(gm: fx.GraphModule) -> None:
     operand computes (bounds known at compile time), the key-padding vector it gathers
     from passed in as one more operand: the body's site then reads the mask as if it were
     built there.  Bodies called from more than one place are left alone."""
-    for call, body in _checkpoint_calls(gm):
-        placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
+    for call, body, placeholders in _checkpoint_calls(gm):
         for placeholder, operand in zip(placeholders, call.args[1:]):
             mask = value(operand)
             if not (isinstance(mask, torch.Tensor) and mask.dtype == torch.bool and mask.dim() >= 2):
@@ -325,8 +320,7 @@ def drop_unread_masks(gm: fx.GraphModule) -> None:
     """Once the bodies are rewritten, a mask no body reads any more is no longer passed in
     (nor built, where nothing else reads it): checkpointing would keep it alive, an
     ``N x N`` tensor, from the forward to the recomputation."""
-    for call, body in _checkpoint_calls(gm):
-        placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
+    for call, body, placeholders in _checkpoint_calls(gm):
         unread = [i for i, p in enumerate(placeholders) if _LIFTED in p.meta and not p.users]
         if not unread:
             continue
@@ -339,8 +333,8 @@ def drop_unread_masks(gm: fx.GraphModule) -> None:
 
 
 def _checkpoint_calls(gm: fx.GraphModule):
-    """(call, body) for each ``tag_activation_checkpoint`` call of ``gm`` whose body no
-    other call shares and takes the call's operands one placeholder each."""
+    """(call, body, its placeholders) for each ``tag_activation_checkpoint`` call of ``gm``
+    whose body no other call shares and takes the call's operands one placeholder each."""
     for call in list(gm.graph.nodes):
         if call.op != "call_function" or call.target is not torch.ops.higher_order.tag_activation_checkpoint:
             continue
@@ -348,8 +342,9 @@ def _checkpoint_calls(gm: fx.GraphModule):
         if body_attr.op != "get_attr" or len(body_attr.users) != 1:
             continue
         body = getattr(gm, body_attr.target)
-        if sum(n.op == "placeholder" for n in body.graph.nodes) == len(call.args) - 1:
-            yield call, body
+        placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
+        if len(placeholders) == len(call.args) - 1:
+            yield call, body, placeholders
 
 
 def _pass_in(call: fx.Node, body: fx.GraphModule, node: fx.Node) -> fx.Node:
