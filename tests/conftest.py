@@ -44,3 +44,17 @@ def clean_dynamo():
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
+
+
+@pytest.fixture(autouse=True)
+def injected_fault():
+    """``FP4ATTN_TEST_FAULT=<fault>`` (attention_checks.FAULTS) runs every test with that
+    fault in the reference path: the tests that still pass cannot see it."""
+    fault = os.environ.get("FP4ATTN_TEST_FAULT")
+    if not fault:
+        yield None
+        return
+    from attention_checks import reference_fault
+
+    with reference_fault(fault):
+        yield fault
