@@ -1,20 +1,55 @@
 """nn.MultiheadAttention and nn.TransformerEncoderLayer, which reach the graph as one
-opaque F.multi_head_attention_forward call."""
+opaque F.multi_head_attention_forward call.
+
+Query and key projections are scaled for peaked scores, errors bounded by a multiple of
+the low-precision reference's and the bounds checked to reject faulty attention
+(tests/attention_checks.py)."""
 
 import pytest
 import torch
 from torch import nn
 
 import fp4_inductor
-from helpers import cosine, op_calls
+from attention_checks import (assert_faults_rejected, assert_within_reference_error, fp64_copy, lowp_reference,
+                              FAULTS)
+from helpers import op_calls
 
 B, N, E, H = 2, 80, 256, 4
+# Scores' std about 3 at this gain on xavier-initialised projections.
+QK_GAIN = 2.5
+# Our error over the low-precision reference's: 1.1-1.25 measured; the faults' 9 and more.
+K_ERR = 2.0
+NO_MASK_FAULTS = ("half_scale", "zero_output")
+
+
+def _peaked(mha: nn.MultiheadAttention) -> nn.MultiheadAttention:
+    with torch.no_grad():
+        if mha.in_proj_weight is not None:
+            mha.in_proj_weight[: 2 * mha.embed_dim].mul_(QK_GAIN)
+        else:
+            mha.q_proj_weight.mul_(QK_GAIN)
+            mha.k_proj_weight.mul_(QK_GAIN)
+    return mha
+
+
+def _references(module, run, x):
+    """``run(module, x)`` on fp64 copies, exact and with SDPA in low precision, with grad
+    mode on: the slow path, whose SDPA call the low-precision one replaces."""
+    with torch.enable_grad():
+        exact = run(fp64_copy(module), x.double())
+        with lowp_reference():
+            lowp = run(fp64_copy(module), x.double())
+    return exact, lowp
+
+
+def _check(got, exact, lowp):
+    assert_within_reference_error(got, exact, lowp, K_ERR)
 
 
 class SelfAttention(nn.Module):
     def __init__(self, batch_first=True, **kwargs):
         super().__init__()
-        self.attn = nn.MultiheadAttention(E, H, batch_first=batch_first, **kwargs)
+        self.attn = _peaked(nn.MultiheadAttention(E, H, batch_first=batch_first, **kwargs))
 
     def forward(self, x, key_padding_mask=None, attn_mask=None, is_causal=False):
         return self.attn(x, x, x, key_padding_mask=key_padding_mask, attn_mask=attn_mask, need_weights=False,
@@ -36,12 +71,12 @@ CASES = {
 }
 
 
-def _run(module, x, kwargs, train):
+def _run(module, x, kwargs, train, grad_out):
     module.train(train)
     if train:
         x = x.clone().requires_grad_()
         out = module(x, **kwargs)
-        out.backward(torch.ones_like(out))
+        out.backward(grad_out.to(out.dtype))
         return out.detach(), x.grad
     with torch.no_grad():
         return module(x, **kwargs), None
@@ -52,27 +87,41 @@ def _run(module, x, kwargs, train):
 def test_multihead_attention_captured(case, train):
     ctor, make_kwargs = CASES[case]
     module = SelfAttention(**ctor)
-    x, kwargs = torch.randn(B, N, E), make_kwargs()
+    x, kwargs, grad_out = torch.randn(B, N, E), make_kwargs(), torch.randn(B, N, E)
     if "attn_mask" in kwargs and kwargs["attn_mask"].dtype == torch.bool:
         kwargs["attn_mask"][:, 0] = False  # every query keeps one key
-    ref, ref_grad = _run(module, x, kwargs, train)
+    module.train(train)
+    # (inference too with grad mode on: no_grad would take the fast path, which calls no SDPA)
+    exact, lowp = _references(module, lambda m, x: _run(m, x, kwargs, True, grad_out) if train
+                              else (m(x, **kwargs).detach(), None), x)
+
+    def check(result):
+        _check(result[0], exact[0], lowp[0])
+        if train:
+            assert_within_reference_error(result[1], exact[1], lowp[1], K_ERR, "dx")
+
     with fp4_inductor.configure(policy="always"):
         compiled = torch.compile(module, backend="fp4attn")
-        (out, grad), calls = op_calls(lambda: _run(compiled, x, kwargs, train))
-    assert calls == {"fwd": 1, "bwd": 1 if train else 0}
-    assert cosine(out, ref) > 0.99
-    if train:
-        assert cosine(grad, ref_grad) > 0.98
+        run = lambda: _run(compiled, x, kwargs, train, grad_out)
+        result, calls = op_calls(run)
+        assert calls == {"fwd": 1, "bwd": 1 if train else 0}
+        check(result)
+        assert_faults_rejected(run, check, FAULTS if kwargs else NO_MASK_FAULTS)
 
 
 def test_transformer_encoder_layer_training():
     layer = nn.TransformerEncoderLayer(E, H, 512, dropout=0.0, batch_first=True).train()
+    _peaked(layer.self_attn)
     x = torch.randn(B, N, E)
     report = fp4_inductor.explain(layer, x, policy="always")
     assert [(s.kind, s.path, s.shape, s.training) for s in report.sites] == [("mha", "fp8", (B, H, H, N, N, 64), True)]
+    exact, lowp = _references(layer, lambda m, x: m(x).detach(), x)
     with fp4_inductor.configure(policy="always"):
-        out, calls = op_calls(torch.compile(layer, backend="fp4attn"), x)
-    assert calls["fwd"] == 1 and cosine(out, layer(x)) > 0.99
+        compiled = torch.compile(layer, backend="fp4attn")
+        out, calls = op_calls(compiled, x)
+        assert calls["fwd"] == 1
+        _check(out.detach(), exact, lowp)
+        assert_faults_rejected(lambda: compiled(x).detach(), lambda out: _check(out, exact, lowp), NO_MASK_FAULTS)
 
 
 @pytest.mark.parametrize(
@@ -107,7 +156,7 @@ def test_multihead_attention_under_no_grad_is_inference():
 def test_unbatched_multihead_attention_captured(masks):
     """nn.MultiheadAttention also takes one unbatched [L, E] sequence (its masks then
     [S] and [H, L, S]): a batch of one."""
-    mha = nn.MultiheadAttention(E, H).eval()
+    mha = _peaked(nn.MultiheadAttention(E, H)).eval()
     x = torch.randn(N, E)
     kwargs = {"need_weights": False}
     if masks == "key_padding":
@@ -118,13 +167,18 @@ def test_unbatched_multihead_attention_captured(masks):
     def attend(x):
         return mha(x, x, x, **kwargs)[0]
 
+    double = {k: v.double() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in kwargs.items()}
+    exact, lowp = _references(mha, lambda m, x: m(x, x, x, **double)[0].detach(), x)
     with torch.no_grad():
         report = fp4_inductor.explain(attend, x, policy="always")
         assert [(s.path, s.shape) for s in report.sites] == [("fp8", (1, H, H, N, N, E // H))]
         with fp4_inductor.configure(policy="always"):
-            out, calls = op_calls(torch.compile(attend, backend="fp4attn"), x)
-        assert calls["fwd"] == 1 and out.shape == (N, E)
-        assert cosine(out, attend(x)) > 0.99
+            compiled = torch.compile(attend, backend="fp4attn")
+            out, calls = op_calls(compiled, x)
+            assert calls["fwd"] == 1 and out.shape == (N, E)
+            _check(out, exact, lowp)
+            assert_faults_rejected(lambda: compiled(x), lambda out: _check(out, exact, lowp),
+                                   NO_MASK_FAULTS if masks == "none" else FAULTS)
 
 
 def test_multihead_attention_mask_that_requires_grad_falls_back():
@@ -155,27 +209,34 @@ def test_encoder_fast_path_in_eval(norm_first, padded):
     (torch._transformer_encoder_layer_fwd): its attention runs our ops, key padding too."""
     layer = torch.nn.TransformerEncoderLayer(128, 4, 256, batch_first=True, dropout=0.0, norm_first=norm_first,
                                              activation="gelu" if norm_first else "relu")
+    _peaked(layer.self_attn)
     encoder = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).eval()
     x = torch.randn(2, 40, 128)
     pad = torch.zeros(2, 40, dtype=torch.bool)
     pad[1, 30:] = padded
     kwargs = {"src_key_padding_mask": pad} if padded else {}
+    exact, lowp = _references(encoder, lambda m, x: m(x, **kwargs)[~pad].detach(), x)
     with torch.no_grad():
-        ref = encoder(x, **kwargs)
         with fp4_inductor.configure(policy="always"):
-            out, calls = op_calls(torch.compile(encoder, backend="fp4attn"), x, **kwargs)
-    assert calls["fwd"] == 2
-    assert cosine(out[~pad], ref[~pad]) > 0.999
+            compiled = torch.compile(encoder, backend="fp4attn")
+            out, calls = op_calls(compiled, x, **kwargs)
+            assert calls["fwd"] == 2
+            _check(out[~pad], exact, lowp)
+            assert_faults_rejected(lambda: compiled(x, **kwargs)[~pad], lambda out: _check(out, exact, lowp),
+                                   FAULTS if padded else NO_MASK_FAULTS)
 
 
 def test_native_multihead_attention_fast_path():
-    mha = torch.nn.MultiheadAttention(128, 4, batch_first=True).eval()
+    mha = _peaked(torch.nn.MultiheadAttention(128, 4, batch_first=True)).eval()
     x = torch.randn(2, 40, 128)
+    exact, lowp = _references(mha, lambda m, x: m(x, x, x, need_weights=False)[0].detach(), x)
     with torch.no_grad():
-        ref = mha(x, x, x, need_weights=False)[0]
         with fp4_inductor.configure(policy="always"):
-            out, calls = op_calls(torch.compile(lambda x: mha(x, x, x, need_weights=False)[0], backend="fp4attn"), x)
-    assert calls["fwd"] == 1 and cosine(out, ref) > 0.99
+            compiled = torch.compile(lambda x: mha(x, x, x, need_weights=False)[0], backend="fp4attn")
+            out, calls = op_calls(compiled, x)
+            assert calls["fwd"] == 1
+            _check(out, exact, lowp)
+            assert_faults_rejected(lambda: compiled(x), lambda out: _check(out, exact, lowp), NO_MASK_FAULTS)
 
 
 def test_explain_says_why_no_site_was_found():
