@@ -51,8 +51,13 @@ class _LowPrecisionAttention(torch.autograd.Function):
         return out, lse
 
     @staticmethod
-    @torch.autograd.function.once_differentiable  # fp4attn::bwd has no gradient of its own
     def backward(ctx, dout, _):
+        if torch.is_grad_enabled():
+            # create_graph=True: fp4attn::bwd has no gradient of its own, so dQ, dK and dV
+            # would come out detached and a second-order term be dropped without a word
+            # (once_differentiable raises only when dO itself requires grad).
+            raise RuntimeError("fp4attn: low-precision attention has no second derivative (create_graph=True); "
+                               "use F.scaled_dot_product_attention (policy='never') for double backward")
         q8, k8, v8t, q_scale, k_scale, v_scale, bias, out, lse, row_ref = ctx.saved_tensors
         do8, do_scale, delta, qe, qe_scale, ke, ke_scale = backward_inputs(
             dout, out, lse, row_ref, q8, q_scale, k8, k_scale, ctx.p_mode)

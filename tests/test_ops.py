@@ -130,15 +130,20 @@ def test_dq_comes_out_with_respect_to_q():
 
 def test_ops_are_pt2_compliant_and_have_no_second_derivative():
     """The ops carry the tag torch.compile's checks look for, and a double backward through
-    lowp_attention raises (fp4attn::bwd has no gradient) instead of dropping that term."""
+    lowp_attention raises our error (fp4attn::bwd has no gradient) instead of returning a
+    dQ with no graph, whose second-order term would vanish: ``grad(dq.sum() + (q * q).sum(),
+    q)`` gave 2q.  A first-order backward is unaffected."""
     from fp4_inductor.attention import lowp_attention
 
     for name in ("quantize", "fwd", "bwd", "by_length"):
         assert torch.Tag.pt2_compliant_tag in getattr(torch.ops.fp4attn, name).default.tags, name
     q, k, v = (torch.randn(1, 2, 40, 32, requires_grad=True) for _ in range(3))
-    dq, = torch.autograd.grad(lowp_attention(q, k, v, is_causal=True).sum(), q, create_graph=True)
-    with pytest.raises(RuntimeError):
-        torch.autograd.grad(dq.sum(), q)
+    for dout in (None, torch.randn(1, 2, 40, 32, requires_grad=True)):  # dO a constant, and dO with a graph
+        out = lowp_attention(q, k, v, is_causal=True)
+        with pytest.raises(RuntimeError, match="fp4attn: low-precision attention has no second derivative"):
+            torch.autograd.grad(out, q, torch.ones_like(out) if dout is None else dout, create_graph=True)
+    dq, = torch.autograd.grad(lowp_attention(q, k, v, is_causal=True).sum(), q)
+    assert dq.isfinite().all() and dq.abs().sum() > 0
 
 
 def test_kernel_failure_falls_back_and_warns_once(monkeypatch):
