@@ -67,17 +67,32 @@ def test_huge_scores_do_not_overflow(p_mode):
     ref = torch.nn.functional.scaled_dot_product_attention(q.double() * 300, k.double() * 300, v.double())
     assert torch.isfinite(out).all()
     assert out.abs().max() <= v.abs().max() * 1.07  # a convex combination of (quantized) V rows
-    # Near-one-hot rows: quantized scores may pick a different winner only on near ties.
+    # Near-one-hot rows: INT8 scores (an error of about 0.4 % of |s|) may pick another
+    # winner only where the top two exact scores are that close.  Every row whose winner
+    # leads by 2 % must match (measured: the rows that differ led by at most 1.1 %); such
+    # rows are most rows (about 90 %), so the check covers them.
     row_cos = torch.nn.functional.cosine_similarity(out.double(), ref, dim=-1)
-    assert (row_cos > 0.99).double().mean() > 0.8
+    top2 = ((q.double() * 300) @ (k.double() * 300).transpose(-1, -2) / 8).topk(2, dim=-1).values
+    decided = top2[..., 0] - top2[..., 1] > 0.02 * top2[..., 0].abs()
+    assert decided.double().mean() > 0.5
+    assert (row_cos[decided] > 0.99).all(), row_cos[decided].min()
 
 
-def test_fully_masked_row_averages_instead_of_nan():
+@pytest.mark.parametrize("empty_rows", ["zero", "mean"])
+def test_fully_masked_row_gets_what_empty_rows_says(empty_rows):
+    """A row whose every key carries finfo.min: eager's softmax over equal fills gives the
+    mean of V, which ``empty_rows="mean"`` reproduces; the default gives zeros (SDPA's
+    convention for masked rows, FlashAttention's too).  Never NaN; other rows as eager."""
     q, k, v = (torch.randn(1, 1, 8, 64) for _ in range(3))
     mask = torch.zeros(1, 1, 8, 8)
     mask[0, 0, 3] = torch.finfo(torch.float32).min
-    out = lowp_attention(q, k, v, attn_mask=mask)
-    assert torch.isfinite(out).all()
+    out = lowp_attention(q, k, v, attn_mask=mask, empty_rows=empty_rows)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    torch.testing.assert_close(ref[0, 0, 3], v[0, 0].mean(0))  # what eager gives the row
+    want = ref[0, 0, 3] if empty_rows == "mean" else torch.zeros(64)
+    torch.testing.assert_close(out[0, 0, 3], want, rtol=0.05, atol=0.02)  # V in E4M3
+    others = torch.arange(8) != 3
+    assert cosine(out[0, 0, others], ref[0, 0, others]) > 0.995
 
 
 @pytest.mark.parametrize("p_mode", ["direct", "exp", "fp4"])
