@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import math
 
 import pytest
@@ -37,17 +38,37 @@ def _rounded(x: torch.Tensor, dtype: torch.dtype, dims) -> torch.Tensor:
     return y * scale
 
 
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def _mxfp4(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """``x`` in MXFP4: blocks of 32 along ``dim`` sharing a power-of-two scale that puts
+    the block's amax at most 6, each value rounded to the nearest E2M1 magnitude."""
+    x = x.movedim(dim, -1)
+    n = x.shape[-1]
+    blocks = torch.nn.functional.pad(x, (0, -n % 32)).unflatten(-1, (-1, 32))
+    amax = blocks.abs().amax(-1, keepdim=True)
+    scale = torch.exp2(torch.ceil(torch.log2(amax.clamp_min(1e-30) / 6)))
+    grid = E2M1.to(x)
+    nearest = ((blocks.abs() / scale)[..., None] - grid).abs().argmin(-1)
+    return (blocks.sign() * grid[nearest] * scale).flatten(-2)[..., :n].movedim(-1, dim)
+
+
 class _LowpAttention(torch.autograd.Function):
-    """Softmax attention over a float bias: Q, K and V rounded (straight through in
-    backward), P in E4M3 with its row's maximum at 256 and its row sum from the rounded
-    values; backward from the same P with dO in E5M2 and dS in E4M3, one scale per row."""
+    """Softmax attention over a float bias: Q and K in INT8 per token, V and P in E4M3 (V
+    per head, P per row with its maximum at 256) or, for ``fmt="fp4"``, in MXFP4 (V over
+    32 tokens, P over 32 keys); the row sum from the rounded P; rounding straight through
+    in backward, which uses the same P with dO in E5M2 and dS in E4M3, one scale per row."""
 
     @staticmethod
-    def forward(ctx, q, k, v, bias, scale):
+    def forward(ctx, q, k, v, bias, scale, fmt):
         q8, k8 = _rounded(q * scale, torch.int8, -1), _rounded(k, torch.int8, -1)
-        v8 = _rounded(v, torch.float8_e4m3fn, (-2, -1))
+        v8 = _rounded(v, torch.float8_e4m3fn, (-2, -1)) if fmt == "fp8" else _mxfp4(v, -2)
         p = torch.softmax(q8 @ k8.transpose(-1, -2) + bias, dim=-1).nan_to_num(0.0)
-        p = _rounded(p, torch.float8_e4m3fn, -1) * (256 / 448)  # the row maximum at 256, not 448
+        if fmt == "fp8":
+            p = _rounded(p, torch.float8_e4m3fn, -1) * (256 / 448)  # the row maximum at 256, not 448
+        else:
+            p = _mxfp4(p, -1)
         p = p / p.sum(-1, keepdim=True).clamp_min(1e-30)
         out = p @ v8
         ctx.save_for_backward(q8, k8, v8, p, out)
@@ -60,10 +81,11 @@ class _LowpAttention(torch.autograd.Function):
         do = _rounded(dout, torch.float8_e5m2, -1)
         ds = p * (do @ v8.transpose(-1, -2) - (do * out).sum(-1, keepdim=True))
         ds = _rounded(ds, torch.float8_e4m3fn, -1)
-        return ds @ k8 * ctx.scale, ds.transpose(-1, -2) @ q8, p.transpose(-1, -2) @ do, None, None
+        return ds @ k8 * ctx.scale, ds.transpose(-1, -2) @ q8, p.transpose(-1, -2) @ do, None, None, None
 
 
-def lowp_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+def lowp_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
+              fmt="fp8"):
     """``F.scaled_dot_product_attention`` (no dropout) in ``_LowpAttention``'s precision."""
     assert dropout_p == 0.0
     nq, nk = query.shape[-2], key.shape[-2]
@@ -75,15 +97,15 @@ def lowp_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
     if attn_mask is not None:
         bias = torch.where(attn_mask, bias, -math.inf) if attn_mask.dtype == torch.bool else bias + attn_mask
     scale = 1 / math.sqrt(query.shape[-1]) if scale is None else scale
-    return _LowpAttention.apply(query, key, value, bias.to(query.dtype), scale)
+    return _LowpAttention.apply(query, key, value, bias.to(query.dtype), scale, fmt)
 
 
 @contextlib.contextmanager
-def lowp_reference():
+def lowp_reference(fmt="fp8"):
     """Every ``F.scaled_dot_product_attention`` call (HF's sdpa attention,
-    ``nn.MultiheadAttention``'s slow path) runs ``lowp_sdpa``."""
+    ``nn.MultiheadAttention``'s slow path) runs ``lowp_sdpa`` in ``fmt``."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(torch.nn.functional, "scaled_dot_product_attention", lowp_sdpa)
+        mp.setattr(torch.nn.functional, "scaled_dot_product_attention", functools.partial(lowp_sdpa, fmt=fmt))
         yield
 
 

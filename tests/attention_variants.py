@@ -240,6 +240,16 @@ CAPTURED = [
     SdpaDropoutEval, MatmulDiv, Einsum, Bmm3d, Baddbmm, PrescaledQuery, TensorScale, AdditiveMask,
     WhereCausalBuffer, MaskedFill, SoftmaxFp32Cast, DropoutEval, RepeatKv,
 ]
+# Each captured variant's attention as an SDPA call of the same semantics (itself where it
+# calls SDPA): what tests run in low precision for a reference error.
+SDPA_FORM = {
+    **{v: SdpaPlain for v in (MatmulDiv, Einsum, Bmm3d, Baddbmm, PrescaledQuery, TensorScale, SoftmaxFp32Cast,
+                              DropoutEval)},
+    AdditiveMask: SdpaAdditiveMask, WhereCausalBuffer: SdpaCausal, MaskedFill: SdpaBoolMask, RepeatKv: SdpaGqa,
+}
+# Variants with a mask or a causal structure (an ignored one changes their result).
+MASKED = {SdpaCausal, SdpaCausalShortQuery, SdpaBoolMask, SdpaAdditiveMask, AdditiveMask, WhereCausalBuffer,
+          MaskedFill}
 TRAPS = {
     PermutedKey: "key operand is not K.transpose(-2, -1)",
     SoftmaxOverQueries: "softmax is not over the last (key) dimension",
