@@ -109,6 +109,24 @@ def lowp_reference(fmt="fp8"):
         yield
 
 
+def peaked_hf(model: torch.nn.Module, gain: float) -> torch.nn.Module:
+    """An HF model's query and key projections times ``gain`` (GPT-2's fused c_attn: its Q
+    and K columns): random-init models attend almost uniformly (scores of std ~0.3), where
+    a wrong scale or an ignored mask hardly moves the output."""
+    with torch.no_grad():
+        for name, mod in model.named_modules():
+            leaf = name.rsplit(".", 1)[-1]
+            if leaf in ("q_proj", "k_proj", "query", "key"):
+                mod.weight.mul_(gain)
+                if mod.bias is not None:
+                    mod.bias.mul_(gain)
+            elif leaf == "c_attn":  # Conv1D: weight [E, 3E], columns Q | K | V
+                e = mod.weight.shape[0]
+                mod.weight[:, : 2 * e].mul_(gain)
+                mod.bias[: 2 * e].mul_(gain)
+    return model
+
+
 def fp64_copy(module: torch.nn.Module) -> torch.nn.Module:
     return copy.deepcopy(module).double()
 

@@ -5,16 +5,18 @@ with no visible key get what eager gives them."""
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers
 
 import fp4_inductor
 from fp4_inductor import config
+from attention_checks import (assert_faults_rejected, assert_within_reference_error, fp64_copy, lowp_reference,
+                              peaked_hf)
 from helpers import cosine, fwd_inputs, op_calls, rel_l2
-
-transformers = pytest.importorskip("transformers")
 
 B, N = 2, 24
 NK = 32  # the keys the op sees: N padded to a multiple of ops.KEY_ALIGN, the padding masked
 PAD = 5  # left padding of the second sequence
+QK_GAIN = 5.0  # scores of std about 3 (attention_checks.peaked_hf)
 
 
 def _causal_lm(name, attn, layers=2):
@@ -138,15 +140,23 @@ def test_hf_training_masks_keep_their_structure_under_checkpointing(padded):
 
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 def test_generate_left_padded(cache):
-    """Greedy tokens of a compiled generate(): eager's under policy="never", our ops under
-    "always" with no more recompiles than "never"."""
-    model = _causal_lm("llama", "sdpa").eval()
+    """A compiled generate(): under policy="never" eager's greedy tokens; under "always" our
+    ops, no more recompiles than "never", and the first step's logits (the prompt's, which
+    every later token depends on) within twice the low-precision reference's error, a bound
+    that rejects faulty attention.  (Later tokens may part from eager's where two logits
+    are closer than the fp8 error.)  Peaked scores: QK_GAIN."""
+    model = peaked_hf(_causal_lm("llama", "sdpa"), QK_GAIN).eval()
     ids, mask = _batch(True)
-    kw = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    kw = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0, return_dict_in_generate=True,
+              output_logits=True)
     if cache == "static":
         kw["cache_implementation"] = "static"
     with torch.no_grad():
         ref = model.generate(ids, **kw)
+        exact = fp64_copy(model).generate(ids, **kw).logits[0]
+        with lowp_reference():
+            lowp = fp64_copy(model).generate(ids, **kw).logits[0]
+    check = lambda out: assert_within_reference_error(out.logits[0], exact, lowp, 2.0, "first-step logits")
     frames = {}
     for policy in ("never", "always"):
         torch._dynamo.reset()
@@ -157,13 +167,16 @@ def test_generate_left_padded(cache):
         try:
             with torch.no_grad(), fp4_inductor.configure(policy=policy):
                 (out, calls) = op_calls(lambda: model.generate(ids, **kw))
+                if policy == "always":
+                    check(out)
+                    assert_faults_rejected(lambda: model.generate(ids, **kw), check)
         finally:
             model.forward = forward
         frames[policy] = counter["stats"]["unique_graphs"]
         if policy == "never":
-            assert torch.equal(out, ref) and calls["fwd"] == 0
+            assert torch.equal(out.sequences, ref.sequences) and calls["fwd"] == 0
         else:
-            assert calls["fwd"] > 0 and out.shape == ref.shape
+            assert calls["fwd"] > 0 and out.sequences.shape == ref.sequences.shape
     assert frames["always"] <= frames["never"], frames
 
 

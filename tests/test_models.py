@@ -1,8 +1,6 @@
 """Unmodified HuggingFace models (random init, eager and sdpa attention) through fp4attn.
 
-Random-init models attend almost uniformly (scores of std ~0.3), where a wrong softmax
-scale or an ignored mask hardly moves the output: the query and key projections are scaled
-up so that scores are peaked.  Errors are bounded by a multiple of the low-precision
+Query and key projections are scaled up so that scores are peaked (``peaked_hf``).  Errors are bounded by a multiple of the low-precision
 reference's (tests/attention_checks.py), and every test checks that its bound rejects
 attention computed with a halved scale, without its mask, or as zeros."""
 
@@ -11,7 +9,8 @@ import torch
 import transformers
 
 import fp4_inductor
-from attention_checks import assert_faults_rejected, assert_within_reference_error, fp64_copy, lowp_reference
+from attention_checks import (assert_faults_rejected, assert_within_reference_error, fp64_copy, lowp_reference,
+                              peaked_hf)
 from helpers import op_calls
 
 SEQ = 64
@@ -20,22 +19,6 @@ QK_GAIN = 5.0
 # Our error against fp64 over the low-precision reference's: 1.0-1.2 measured (outputs and
 # gradients, all four models); the faults' outputs 12-52.
 K_OUT, K_GRAD = 2.0, 2.0
-
-
-def _peaked(model):
-    """Query and key projections times QK_GAIN (GPT-2's fused c_attn: its Q and K columns)."""
-    with torch.no_grad():
-        for name, mod in model.named_modules():
-            leaf = name.rsplit(".", 1)[-1]
-            if leaf in ("q_proj", "k_proj", "query", "key"):
-                mod.weight.mul_(QK_GAIN)
-                if mod.bias is not None:
-                    mod.bias.mul_(QK_GAIN)
-            elif leaf == "c_attn":  # Conv1D: weight [E, 3E], columns Q | K | V
-                e = mod.weight.shape[0]
-                mod.weight[:, : 2 * e].mul_(QK_GAIN)
-                mod.bias[: 2 * e].mul_(QK_GAIN)
-    return model
 
 
 def _model(name, attn):
@@ -67,7 +50,7 @@ def _model(name, attn):
             image_size=64, patch_size=8, attn_implementation=attn,
         )
         model, inputs = transformers.ViTModel(cfg), {"pixel_values": torch.randn(2, 3, 64, 64)}
-    return _peaked(model), inputs
+    return peaked_hf(model, QK_GAIN), inputs
 
 
 def _references(name, attn, model, run):
