@@ -19,7 +19,7 @@ WORKER = textwrap.dedent(
     """
     import os, sys, torch, torch.distributed as dist
     import fp4_inductor
-    from helpers import cosine
+    from helpers import cosine, op_calls
     rank, wrap, seed = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
     dist.init_process_group("gloo", rank=rank, world_size=2)
     torch.manual_seed(seed)
@@ -47,10 +47,16 @@ WORKER = textwrap.dedent(
         fully_shard(eager)
         reference = eager
     x = torch.randn(2, 48, 64) + rank  # each rank its own batch
-    with fp4_inductor.configure(policy="always"):
-        compiled = torch.compile(model, backend="fp4attn")
-        out = compiled(x)
+
+    def step(fn):
+        model.zero_grad()
+        out = fn(x)
         out.pow(2).mean().backward()
+        return out
+
+    with fp4_inductor.configure(policy="always"):
+        out, calls = op_calls(step, torch.compile(model, backend="fp4attn"))
+    assert calls == {"fwd": 1, "bwd": 1}, calls  # this worker ran our ops, forward and backward
     ref = reference(x)
     ref.pow(2).mean().backward()
     grads = lambda m: torch.cat([p.grad.full_tensor().flatten() if hasattr(p.grad, "full_tensor") else p.grad.flatten()
