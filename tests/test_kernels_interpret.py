@@ -288,6 +288,94 @@ def test_triton_quantize_matches_formats(fresh_seed):
     _interpreted(QUANTIZE_SCRIPT.format(seed=fresh_seed))
 
 
+QUANTIZE_EDGES_SCRIPT = """
+import torch
+from fp4_inductor import formats as F
+from fp4_inductor.kernels.triton import quantize as Q
+torch.manual_seed({seed})
+# fp16 and fp32 inputs; NaN in Q and in K, and an all-zero Q row (scale 1), as the GPU
+# tests (test_quantize_gpu.py) check them, bf16 too.
+for dtype in (torch.bfloat16, torch.float16, torch.float32):
+    q, k, v = (torch.randn(1, 2, n, 64, dtype=dtype) * 3 + 0.5 for n in (70, 150, 150))
+    q[0, 0, 5, 3], k[0, 1, 7, 0] = float("nan"), float("nan")
+    q[0, 1, 9] = 0
+    got, want = Q.quantize_inputs(q, k, v, 0.125), F.quantize_inputs(q, k, v, 0.125, "fp8")
+    q8, k8, vt, qs, ks, vs = got
+    torch.testing.assert_close(qs, want[3], rtol=0, atol=0, equal_nan=True)
+    assert qs[0, 1, 9].item() == 1.0 and qs[0, 0, 5].isnan(), dtype
+    assert torch.equal(q8[0, 1], want[0][0, 1]) and torch.equal(vt.view(torch.uint8), want[2].view(torch.uint8))
+    torch.testing.assert_close(ks, want[4], rtol=1e-6, atol=0, equal_nan=True)
+    assert ks[0, 1, 0].isnan() and not ks[0, 0].isnan().any(), dtype  # the NaN key's block only
+    assert torch.equal(vs, want[5]), dtype
+"""
+
+
+def test_triton_quantize_edge_inputs(fresh_seed):
+    """The quantization kernel under the interpreter on fp16/fp32 inputs, NaN in Q and K and
+    an all-zero Q row, against formats (the GPU tests' checks, on the CPU)."""
+    _interpreted(QUANTIZE_EDGES_SCRIPT.format(seed=fresh_seed))
+
+
+FORWARD_OPTIONS_SCRIPT = """
+import torch
+from helpers import quantized_operands
+from fp4_inductor import formats as F, reference as R
+from fp4_inductor.kernels.triton import attention_fwd
+torch.manual_seed({seed})
+
+
+def run(ops, bias, causal, p_mode, out_dtype=torch.float32, **kw):
+    b, h, nq, _ = ops[0].shape
+    out = torch.full((b, nq, h, ops[2].shape[-2]), float("nan"), dtype=out_dtype).transpose(1, 2)
+    lse, row_ref = (torch.full((b, h, nq), float("nan")) for _ in range(2))
+    attention_fwd.attention_forward(*ops, bias, causal, p_mode, out, lse, row_ref, **kw)
+    return out, lse, row_ref
+
+
+def close(got, ref, out_tol=1e-5):
+    (o, l, r), (ro, rl, rr) = got, ref
+    assert torch.equal(r, rr) and (l - rl).abs().max() <= 1e-5
+    assert (o.double() - ro.double()).norm() <= out_tol * ro.double().norm()
+
+
+# The GPU tests' launch options on the CPU: tile configs and natural P order give the
+# reference's numbers; bf16/fp16 outputs are within one rounding of it.
+ops, bias = quantized_operands(1, 2, 1, 150, 260, 64, "direct", "keypad")
+ref = R.attention_forward(*ops, bias, True, "direct", torch.float32)
+for kw in (dict(config=(64, 4, 2, None)), dict(perm_p=False)):
+    close(run(ops, bias, True, "direct", **kw), ref)
+for out_dtype in (torch.bfloat16, torch.float16):
+    out, lse, row_ref = run(ops, bias, True, "direct", out_dtype)
+    eps = torch.finfo(out_dtype).eps
+    assert out.dtype == out_dtype and ((out.float() - ref[0]).abs() <= eps * ref[0].abs() + 1e-6).all(), out_dtype
+# NaN in Q or K reaches the outputs the reference's do, through the scales.  (NaN in V
+# is left to test_kernels_gpu.py: the interpreter's float8 loads turn V's NaN code finite.)
+for where in range(2):
+    x = [torch.randn(1, 2, 140, 64), torch.randn(1, 1, 140, 64), torch.randn(1, 1, 140, 64)]
+    x[where][0, 0, 37, 5] = float("nan")
+    ops = F.quantize_inputs(*x, 0.125, "fp8")
+    got, want = run(ops, None, False, "direct"), R.attention_forward(*ops, None, False, "direct", torch.float32)
+    assert want[0].isnan().any()
+    for g, w in zip(got, want):
+        assert torch.equal(g.isnan(), w.isnan()), where
+# Scores of 1e4 and more: finite, as the reference.
+base = torch.randn(1, 1, 1, 64)
+q, k = base * 100 + torch.randn(1, 2, 130, 64), base * 100 + torch.randn(1, 2, 130, 64) * 8
+for p_mode in F.P_MODES:
+    ops = F.quantize_inputs(q, k, torch.randn(1, 2, 130, 64), 1.0, "fp4" if p_mode == "fp4" else "fp8")
+    assert R.log2_scores(*ops[:2], ops[3], ops[4], None, False, slice(0, 130)).abs().max() >= 1e4
+    got = run(ops, None, False, p_mode)
+    assert all(t.isfinite().all() for t in got), p_mode
+    close(got, R.attention_forward(*ops, None, False, p_mode, torch.float32), 1e-3 if p_mode == "exp" else 1e-5)
+"""
+
+
+def test_triton_forward_launch_options_and_edge_inputs(fresh_seed):
+    """The Triton forward under the interpreter with ``config=`` and ``perm_p=False``,
+    bf16/fp16 outputs, NaN in Q and K and scores of 1e4 (the GPU tests' cases, on the CPU)."""
+    _interpreted(FORWARD_OPTIONS_SCRIPT.format(seed=fresh_seed))
+
+
 SWEEP_SCRIPT = """
 import torch
 from bwd_checks import check, operands, run

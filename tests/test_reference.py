@@ -154,3 +154,41 @@ def test_gradient_error_does_not_grow_with_length():
         errors[n] = [rel_l2(a, b) for a, b in zip(got, want)]
     for name, short, long in zip("qkv", errors[1024], errors[16384]):
         assert long <= 1.15 * short, (name, short, long)
+
+
+def test_nan_in_grad_output_stays_in_its_heads():
+    """A NaN in dO reaches, through its head's dO scale, that head's dQ and its K/V head's
+    dK and dV, and nothing else (the reference side of test_kernels_bwd_gpu.py's check)."""
+    q, k, v = (torch.randn(1, h, 150, 64, requires_grad=True) for h in (4, 2, 2))
+    go = torch.randn(1, 4, 150, 64)
+    go[0, 1, 100, 3] = float("nan")
+    dq, dk, dv = torch.autograd.grad(lowp_attention(q, k, v, is_causal=True), (q, k, v), go)
+    for name, g, head in (("dq", dq, 1), ("dk", dk, 0), ("dv", dv, 0)):
+        others = torch.arange(g.shape[1]) != head
+        assert g[:, head].isnan().any() and g[:, others].isfinite().all(), name
+
+
+def test_padded_training_compiled_with_dynamic_lengths():
+    """A key-padded causal step compiled by Inductor over batches of changing length (the
+    second length recompiles with a dynamic one, whose backward holds the dO and Qe/Ke
+    preparation): each length's gradients as the eager step's, through our ops."""
+    from helpers import op_calls
+
+    def step(q, k, v, keep):
+        return lowp_attention(q, k, v, is_causal=True, key_padding=keep)
+
+    compiled = torch.compile(step)
+    for n in (96, 144, 200):
+        q, k, v = (torch.randn(2, 2, n, 64) for _ in range(3))
+        keep = torch.arange(n) < torch.tensor([[n], [n * 3 // 4]])
+        go = torch.randn_like(q)
+        grads = []
+        for fn in (compiled, step):
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            grads.append(torch.autograd.grad(fn(*leaves, keep), leaves, go))
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        _, calls = op_calls(lambda: torch.autograd.grad(compiled(*leaves, keep), leaves, go))
+        assert calls == {"fwd": 1, "bwd": 1}, (n, calls)
+        for name, got, want in zip(("dq", "dk", "dv"), *grads):
+            assert torch.isfinite(got).all() and got.abs().amax() > 0, name
+            assert rel_l2(got, want) <= 1e-3, f"{name} at {n} keys: rel-L2 {rel_l2(got, want):.2e} against eager"
