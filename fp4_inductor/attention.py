@@ -13,6 +13,7 @@ import math
 
 import torch
 
+from . import documents
 from . import formats as F
 from . import ops
 
@@ -39,10 +40,10 @@ def combine_masks(attn_mask, bias_terms, keep_masks, drop_masks):
 
 class _LowPrecisionAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, bias, sm_scale, causal, fmt, p_mode, diagonal, window):
+    def forward(ctx, q, k, v, bias, sm_scale, causal, fmt, p_mode, diagonal, window, q_documents, k_documents):
         out, lse, row_ref, operands = ops.quantized_forward(q, k, v, bias, sm_scale, causal, fmt, p_mode,
-                                                            diagonal, window)
-        ctx.save_for_backward(*operands, bias, out, lse, row_ref)
+                                                            diagonal, window, q_documents, k_documents)
+        ctx.save_for_backward(*operands, bias, out, lse, row_ref, q_documents, k_documents)
         ctx.sm_scale, ctx.causal, ctx.p_mode, ctx.structure = sm_scale, causal, p_mode, (diagonal, window)
         # Gradients in the inputs' layout: contiguous inputs (leaves, say) get contiguous
         # gradients, so that autograd does not re-lay them out with a strided copy.
@@ -53,7 +54,7 @@ class _LowPrecisionAttention(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable  # fp4attn::bwd has no gradient of its own
     def backward(ctx, dout, _):
-        q8, k8, v8t, q_scale, k_scale, v_scale, bias, out, lse, row_ref = ctx.saved_tensors
+        q8, k8, v8t, q_scale, k_scale, v_scale, bias, out, lse, row_ref, q_documents, k_documents = ctx.saved_tensors
         do8, do_scale, delta, qe, qe_scale, ke, ke_scale = backward_inputs(
             dout, out, lse, row_ref, q8, q_scale, k8, k_scale, ctx.p_mode)
         # Ke's scales are read by dQ's product alone: with the softmax scale folded into them
@@ -61,9 +62,10 @@ class _LowPrecisionAttention(torch.autograd.Function):
         # kernel rescales it after.
         dq, dk, dv = torch.ops.fp4attn.bwd(
             do8, do_scale, delta, q8, k8, v8t, q_scale, k_scale, v_scale, qe, qe_scale, ke, ke_scale * ctx.sm_scale,
-            bias, row_ref, ctx.causal, ctx.p_mode, dout.dtype, ctx.grads_contiguous, *ctx.structure,
+            bias, row_ref, ctx.causal, ctx.p_mode, dout.dtype, ctx.grads_contiguous, *ctx.structure, q_documents,
+            k_documents,
         )
-        return dq, dk, dv, None, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
 
 def backward_inputs(dout, out, lse, row_ref, q8, q_scale, k8, k_scale, p_mode):
@@ -136,6 +138,8 @@ def lowp_attention(
     window: int = 0,
     key_padding: torch.Tensor | None = None,
     empty_rows: str = "zero",
+    q_documents: torch.Tensor | None = None,
+    k_documents: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Drop-in for ``F.scaled_dot_product_attention`` (no dropout) in low precision.
 
@@ -146,7 +150,9 @@ def lowp_attention(
     structure, which the kernels apply without a mask tensor (``formats.visible``):
     ``is_causal`` (top-left, as SDPA, with ``diagonal`` 0), ``diagonal`` (key ``j``
     visible to query ``i`` iff ``j <= i + diagonal``), ``window`` (and ``j > i + diagonal
-    - window``); ``key_padding``: ``[B, Nk]`` boolean, True for keys every query may see.
+    - window``); ``key_padding``: ``[B, Nk]`` boolean, True for keys every query may see;
+    ``q_documents`` ``[B, Nq]`` and ``k_documents`` ``[B, Nk]``: integer document ids, a
+    query seeing only keys of its own document (``documents.py``).
     ``empty_rows``: what a query row with no visible key gets (``EMPTY_ROWS``).
     ``min_keys`` (inference only): low precision only from this many keys at run time,
     SDPA below, decided per call without a guard on the length (``fp4attn::by_length``).
@@ -162,6 +168,9 @@ def lowp_attention(
         # The mask becomes a fixed bias and the scale is folded into the operands: neither
         # would get its gradient.  (The compiler leaves such sites to SDPA.)
         raise ValueError("a mask or scale that requires grad is not supported: use F.scaled_dot_product_attention")
+    documents.check(q_documents, k_documents, q.shape[0], q.shape[-2], k.shape[-2])
+    if q_documents is not None:
+        q_documents, k_documents = (ids.long().contiguous() for ids in (q_documents, k_documents))
     squeeze = q.dim() == 3
     if squeeze:
         q, k, v = q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)
@@ -178,10 +187,11 @@ def lowp_attention(
             # scale into Q, one rounding to Q's dtype, far below the INT8 step of Q.
             q, scale = (q.float() * scale).to(q.dtype), 1.0
         out, empty = torch.ops.fp4attn.by_length(q, k, v, attn_mask, float(scale), is_causal, fmt, p_mode, min_keys,
-                                                 diagonal, window, key_padding)
+                                                 diagonal, window, key_padding, q_documents, k_documents)
     else:
         k_op, v_op, bias = ops.align_keys(k, v, attn_mask, key_padding)
-        out, lse = _LowPrecisionAttention.apply(q, k_op, v_op, bias, scale, is_causal, fmt, p_mode, diagonal, window)
+        out, lse = _LowPrecisionAttention.apply(q, k_op, v_op, bias, scale, is_causal, fmt, p_mode, diagonal, window,
+                                                q_documents, documents.pad_keys(k_documents, k_op.shape[-2]))
         empty = lse == -math.inf
     out = empty_row_fill(out, empty, v, empty_rows, attn_mask)
     return out.squeeze(1) if squeeze else out
