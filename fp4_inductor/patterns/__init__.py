@@ -16,6 +16,7 @@ import torch.fx as fx
 from ..attention import combine_masks, lowp_attention
 from .common import Site, kind, value
 from .masks import erase_dead, lift_mask_structures, materialize
+from .packed import document_kwargs
 from .encoder import is_fast_path, match_fast_path, replace_fast_path
 from .mha import match_mha, replace_mha
 from .sdpa import match_sdpa, match_sdpa_backend
@@ -109,7 +110,8 @@ def replace_site(graph: fx.Graph, site: Site, fmt: str, p_mode: str | None, targ
 
 
 def _structure_kwargs(graph: fx.Graph, site: Site) -> dict:
-    """The causal structure and key padding ``masks.structure_site`` read, as arguments."""
+    """The causal structure, key padding and documents ``masks.structure_site`` read, as
+    arguments."""
     s = site.structure
     if s is None:
         return {"empty_rows": site.empty_rows} if site.empty_rows != "zero" else {}
@@ -121,6 +123,7 @@ def _structure_kwargs(graph: fx.Graph, site: Site) -> dict:
             stop = graph.call_function(operator.add, (start, graph.call_method("size", (site.k, -2))))
             pad = graph.call_function(operator.getitem, (pad, (slice(None), slice(start, stop))))
         kwargs["key_padding"] = pad
+    kwargs.update(document_kwargs(graph, s, site.q, site.k, materialize))
     return kwargs
 
 
