@@ -18,11 +18,12 @@ from .common import Site, kind, value
 from .masks import erase_dead, lift_mask_structures, materialize
 from .packed import document_kwargs
 from .encoder import is_fast_path, match_fast_path, replace_fast_path
+from .flex import match_flex
 from .mha import match_mha, replace_mha
 from .sdpa import match_sdpa, match_sdpa_backend
 from .softmax import match_softmax
 
-MATCHERS = (match_sdpa, match_sdpa_backend, match_softmax, match_mha, match_fast_path)
+MATCHERS = (match_sdpa, match_sdpa_backend, match_softmax, match_mha, match_fast_path, match_flex)
 
 
 def graph_modules(gm: fx.GraphModule) -> list[fx.GraphModule]:
@@ -52,8 +53,9 @@ def find_sites(graph: fx.Graph) -> list[Site]:
 def reads_causal_mask(site: Site) -> bool:
     """Whether the site's masks are SDPA's own causal structure and nothing else (a dense
     causal mask, as HF models build under tracing): its BF16 path can then be SDPA's
-    ``is_causal`` (``attention.causal_sdpa``) instead of a mask read per score."""
-    return site.kind != "mha" and site.structure is not None and site.mask_kind() == "causal"
+    ``is_causal`` (``attention.causal_sdpa``) instead of a mask read per score.  (A
+    flex_attention site reads no mask tensor: it stays flex.)"""
+    return site.kind not in ("mha", "flex") and site.structure is not None and site.mask_kind() == "causal"
 
 
 def _scale_arg(graph: fx.Graph, scale):

@@ -49,6 +49,8 @@ _FUNCTION_KINDS = {
     torch.tensor: "tensor",
     torch.scalar_tensor: "tensor",
 }
+if hasattr(torch.ops.higher_order, "flex_attention"):  # erase_replaced takes a replaced call away
+    _FUNCTION_KINDS[torch.ops.higher_order.flex_attention] = "flex"
 # SDPA's backend ops in aten-level graphs, with where (dropout_p, is_causal, scale,
 # attn_mask) sit among their arguments; only their output (element 0) may be used.
 SDPA_BACKENDS = {

@@ -49,7 +49,7 @@ class _Evaluator:
 
     def _eval(self, node: fx.Node):
         if node.op == "placeholder":  # a mask built outside a checkpointed body (lift_mask_structures)
-            return node.meta.get(_LIFTED)
+            return node.meta.get(LIFTED)
         target, k = node.target, kind(node)
         if node.op == "call_function" and target is torch.arange:
             args = node.args
@@ -141,8 +141,8 @@ class _Evaluator:
         if isinstance(index, tuple) and len(index) == 2 and rank(base) == 2 and value(base).dtype == torch.bool:
             b, col = (self(i) for i in index)  # keep[batch_idx, kv_idx]: key padding
             if isinstance(b, Index) and b.dim == -4 and b.offset == ZERO and isinstance(col, Index) \
-                    and col.dim == -1:
-                return Structure(pads=((base, col.offset),))
+                    and col.dim == -1:  # (a flex_attention mask_mod's buffer is the caller's tensor)
+                return Structure(pads=((inner.node if isinstance(inner, packed.Source) else base, col.offset),))
         return None
 
     def _triangle(self, node: fx.Node):
@@ -216,7 +216,7 @@ def _bound(name, a, b):
 
 
 # Placeholder meta: what a boolean mask passed into a checkpointed body computes.
-_LIFTED = "fp4attn_mask_structure"
+LIFTED = "fp4attn_mask_structure"
 
 
 def lift_mask_structures(gm: fx.GraphModule) -> None:
@@ -245,7 +245,7 @@ def lift_mask_structures(gm: fx.GraphModule) -> None:
                     documents=tuple(tuple(dataclasses.replace(i, source=_pass_in(call, body, i.source), positions=None)
                                           for i in pair) for pair in found.documents))
             if isinstance(found, (Structure, Const)):
-                placeholder.meta[_LIFTED] = found
+                placeholder.meta[LIFTED] = found
 
 
 def drop_unread_masks(gm: fx.GraphModule) -> None:
@@ -253,7 +253,7 @@ def drop_unread_masks(gm: fx.GraphModule) -> None:
     (nor built, where nothing else reads it): checkpointing would keep it alive, an
     ``N x N`` tensor, from the forward to the recomputation."""
     for call, body, placeholders in _checkpoint_calls(gm):
-        unread = [i for i, p in enumerate(placeholders) if _LIFTED in p.meta and not p.users]
+        unread = [i for i, p in enumerate(placeholders) if LIFTED in p.meta and not p.users]
         if not unread:
             continue
         dropped = [call.args[1 + i] for i in unread]

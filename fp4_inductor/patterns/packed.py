@@ -130,7 +130,7 @@ def getitem(ev, node: fx.Node, inner):
     base, index = node.args
     if isinstance(inner, Ids):
         return place(inner, value(base).dim(), index)
-    if isinstance(inner, Source):
+    if isinstance(inner, Source) and _integer(inner.node):
         source = inner.node
     elif isinstance(inner, _Packed) or (inner is None and _integer(base)):
         source = base
