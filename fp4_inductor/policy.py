@@ -179,7 +179,10 @@ class SiteShape:
         head dims have keys of their own."""
         dims = f"d{self.d}" + (f"v{self.dv}" if self.dv and self.dv != self.d else "")
         key = f"{dims}/{'causal' if self.causal else 'full'}/{'train' if self.training else 'fwd'}"
-        return f"{key}/{self.mask.split(' ')[0]}" if self.masked else key
+        mask = self.mask.split(" ")[0]
+        if "documents" in self.mask and "documents" not in mask:  # a window's documents: other work
+            mask += "+documents"
+        return f"{key}/{mask}" if self.masked else key
 
 
 @dataclasses.dataclass(frozen=True)

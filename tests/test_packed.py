@@ -249,3 +249,42 @@ def test_length_sweep_compiles_no_more_graphs_than_bf16(padded):
                 assert out.shape == q.shape and not out.isnan().any()
         graphs[policy] = counters["stats"]["unique_graphs"]
     assert graphs["always"] == graphs["never"], graphs
+
+
+@pytest.mark.parametrize("mask", ["causal+documents", "documents", "window 4096+documents", "causal+documents+padding"])
+def test_auto_keeps_bf16_for_documents_until_measured(mask):
+    """The shipped H200 table has no rate for document structure (a packed row does a
+    fraction of the causal work): ``auto`` keeps BF16 and says so."""
+    from fp4_inductor import policy as P
+
+    shape = P.SiteShape(4, 16, 8, 16384, 16384, 128, causal=mask != "documents", training=True, mask=mask)
+    decision = P.cost_model_decision(shape, "fp8", P.table_for("NVIDIA H200"), "NVIDIA H200")
+    assert decision.path == "bf16" and "documents" in decision.reason and "not measured on this GPU" in decision.reason, \
+        decision
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_triton_kernels_with_documents_on_gpu(causal, fresh_seed):
+    """The forward and backward kernels on the GPU, compiled by ptxas, with packed documents
+    long enough that most key tiles are skipped: the reference's row references, the
+    backward rules of ``bwd_checks``."""
+    from bwd_checks import check, operands, run
+    from helpers import quantized_operands
+    from fp4_inductor import reference as R
+    from fp4_inductor.kernels.triton import attention_fwd
+
+    ids = documents_of(((700, 1300, 500, 1596), (4096,)))
+    structure = {"q_documents": ids, "k_documents": ids}
+    ops, _ = quantized_operands(2, 4, 2, 4096, 4096, 128, "direct")
+    ref_o, _, ref_r = R.attention_forward(*ops, None, causal, "direct", torch.float32, **structure)
+    dev = [t.cuda() for t in ops]
+    out = torch.empty(2, 4096, 4, 128, device="cuda").transpose(1, 2)
+    lse, row_ref = (torch.empty(2, 4, 4096, device="cuda") for _ in range(2))
+    attention_fwd.attention_forward(*dev, None, causal, "direct", out, lse, row_ref,
+                                    **{k: t.cuda() for k, t in structure.items()})
+    assert torch.equal(row_ref.cpu(), ref_r), f"seed {fresh_seed}"
+    assert rel_l2(out.cpu(), ref_o) < 1e-3, f"seed {fresh_seed}"
+    bwd = operands(1, 2, 1, 1500, 1500, 64, "direct", causal, **{k: t[:1, :1500] for k, t in structure.items()})
+    grads, dumps = run(bwd, causal, "direct", **{k: t[:1, :1500] for k, t in structure.items()})
+    check(bwd, causal, "direct", grads, dumps, **{k: t[:1, :1500] for k, t in structure.items()})
