@@ -259,8 +259,8 @@ def test_auto_keeps_bf16_for_documents_until_measured(mask):
 
     shape = P.SiteShape(4, 16, 8, 16384, 16384, 128, causal=mask != "documents", training=True, mask=mask)
     decision = P.cost_model_decision(shape, "fp8", P.table_for("NVIDIA H200"), "NVIDIA H200")
-    assert decision.path == "bf16" and "documents" in decision.reason and "not measured on this GPU" in decision.reason, \
-        decision
+    reason = decision.reason
+    assert decision.path == "bf16" and "documents" in reason and "not measured on this GPU" in reason, reason
 
 
 @pytest.mark.gpu

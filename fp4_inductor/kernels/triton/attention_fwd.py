@@ -403,8 +403,8 @@ def _fwd_kernel(
                             PV_SPLIT, CVT_I2F, EMULATE, D_QK, D_V, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N)
     acc, l_i, m_i = _attend(acc, l_i, m_i, q, row_t, K, VT, k_ptrs, v_ptrs, b_ptrs, ks_ptr, q_doc, kd_ptr, b, hk,
                             offs_m, offs_key, offs_d, offs_dv, full_lo, full_hi, NK, DIAGONAL, WINDOW, stride_kn,
-                            stride_vn, stride_bn, P_MODE, CAUSAL, WINDOWED, BIAS_MODE, DOCUMENTS, False, USE_TMA, PERM_P,
-                            PV_SPLIT, CVT_I2F, EMULATE, D_QK, D_V, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N)
+                            stride_vn, stride_bn, P_MODE, CAUSAL, WINDOWED, BIAS_MODE, DOCUMENTS, False, USE_TMA,
+                            PERM_P, PV_SPLIT, CVT_I2F, EMULATE, D_QK, D_V, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N)
     acc, l_i, m_i = _attend(acc, l_i, m_i, q, row_t, K, VT, k_ptrs, v_ptrs, b_ptrs, ks_ptr, q_doc, kd_ptr, b, hk,
                             offs_m, offs_key, offs_d, offs_dv, full_hi, hi, NK, DIAGONAL, WINDOW, stride_kn,
                             stride_vn, stride_bn, P_MODE, CAUSAL, WINDOWED, BIAS_MODE, DOCUMENTS, True, USE_TMA, PERM_P,
