@@ -12,6 +12,9 @@ fastest one this device has that applies the site's structure exactly is chosen,
   top-left causal structure (diagonal 0), no window; GQA by repeating K/V.
 - ``flash``: torch's flash backward (FlashAttention-2): FA4's structures, GQA natively.
 
+``FP4ATTN_BF16_BACKWARD=cudnn`` (or ``flash``, ``fa4``) keeps to one backend where it
+applies (none otherwise), which is how benchmarks time each.
+
 A call none of them applies to (a mask with a window, say) has no BF16 backward: the
 policy does not offer the path there (``available``), and the ops' reference
 (``reference.bf16_attention_backward``) computes it where no kernel runs at all (CPU).
@@ -22,6 +25,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import math
+import os
 
 import torch
 
@@ -49,17 +53,15 @@ def available(device: torch.device, d: int, dv: int, nq: int, nk: int, causal: b
     bias (a mask or key padding)."""
     if device.type != "cuda":
         return "reference"
-    if not torch.cuda.is_available():
-        return None
+    only = os.environ.get("FP4ATTN_BF16_BACKWARD")
     flash_structure = not masked and (not causal or bottom_right(nq, nk, diagonal))
-    if flash_structure and has_fa4() and d % 8 == 0 and dv % 8 == 0 and max(d, dv) <= 256:
-        return "fa4"
     cudnn_structure = not window and (not causal or (isinstance(diagonal, int) and diagonal == 0))
-    if cudnn_structure and d == dv and d <= CUDNN_MAX_HEAD_DIM and d % 8 == 0:
-        return "cudnn"
-    if flash_structure and d == dv and d <= FLASH_MAX_HEAD_DIM and d % 8 == 0:
-        return "flash"
-    return None
+    applies = {
+        "fa4": flash_structure and has_fa4() and d % 8 == 0 and dv % 8 == 0 and max(d, dv) <= 256,
+        "cudnn": cudnn_structure and d == dv and d <= CUDNN_MAX_HEAD_DIM and d % 8 == 0,
+        "flash": flash_structure and d == dv and d <= FLASH_MAX_HEAD_DIM and d % 8 == 0,
+    }
+    return next((name for name, ok in applies.items() if ok and only in (None, name)), None)
 
 
 def backward(dout, q, k, v, out, lse, bias, scale: float, causal: bool, diagonal: int, window: int):
