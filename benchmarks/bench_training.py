@@ -13,8 +13,8 @@ the same run (triton do_bench medians):
     ("ours-direct-graphs": the step replayed as CUDA graphs, without the host's Python;
     forward + backward only);
   - ours, hybrid: the FP8 forward with a BF16 backward (``backward="bf16"``, the policy's
-    ``fp8+bf16bwd``), eagerly: "ours-hybrid" with the backward ``kernels.bf16_backward``
-    picks (FlashAttention-4's where installed), "ours-hybrid-cudnn" with torch's cuDNN one;
+    ``fp8+bf16bwd``), eagerly, with FlashAttention-4's backward ("ours-hybrid-fa4") and
+    with torch's cuDNN one ("ours-hybrid-cudnn"), as ``kernels.bf16_backward`` runs them;
   - torch SDPA BF16 on the cuDNN and flash backends, FlashAttention-4 BF16 (flash_attn.cute);
   - cuDNN FP8 (cudnn frontend sdpa_fp8 with stats + sdpa_fp8_backward): E4M3 Q/K/V/O/dO
     cast plainly, E4M3 gradients, and the usual delayed scaling (a first step with unit
@@ -40,6 +40,7 @@ import common as C
 
 from fp4_inductor import formats as F
 from fp4_inductor.attention import lowp_attention
+from fp4_inductor.kernels import bf16_backward
 
 PASSES = {"fwd+bwd": 3.5, "bwd": 2.5}
 # The compiled row specialises on each shape of the grid (14 by default).
@@ -196,16 +197,16 @@ def _cudnn_fp8(causal):
     return setup
 
 
-def _hybrid(causal, only=None):
-    """Our FP8 forward with the BF16 backward the backend picks (``only``: one of
-    ``kernels.bf16_backward``'s, through FP4ATTN_BF16_BACKWARD)."""
+def _hybrid(causal, only):
+    """Our FP8 forward with the BF16 backward ``only`` (one of ``kernels.bf16_backward``'s,
+    through FP4ATTN_BF16_BACKWARD), or C.NOT_INSTALLED."""
+    if only == "fa4" and not bf16_backward.has_fa4():
+        return C.NOT_INSTALLED
 
     def attend(q, k, v):
         return lowp_attention(q, k, v, is_causal=causal, backward="bf16")
 
     setup = _autograd(attend)
-    if only is None:
-        return setup
 
     def setup_only(leaves, dout):
         fwd_bwd, bwd, grads = _with_env("FP4ATTN_BF16_BACKWARD", only, setup, leaves, dout)
@@ -232,7 +233,7 @@ def methods(causal):
         return lowp_attention(q, k, v, is_causal=causal)
 
     return {
-        "ours-hybrid": _hybrid(causal),
+        "ours-hybrid-fa4": _hybrid(causal, "fa4"),
         "ours-hybrid-cudnn": _hybrid(causal, "cudnn"),
         "ours-direct": _autograd(attend),
         "ours-direct-compiled": _autograd(torch.compile(attend, fullgraph=True, dynamic=False)),

@@ -107,9 +107,10 @@ def _cudnn(dout, q, k, v, out, lse, bias, scale, causal, diagonal, window):
         bias = (bias * LN2).to(q.dtype).expand(q.shape[0], h, q.shape[2], k.shape[2])
     # cuDNN's backward reads dO in O's layout.
     dout = dout if dout.stride() == out.stride() else torch.empty_like(out).copy_(dout)
-    empty = torch.empty(0, device=q.device)
+    # None stands for the undefined tensors of dense calls without dropout: a defined
+    # cum_seq would mean a packed (varlen) call.
     dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-        dout, q, k, v, out, lse.unsqueeze(-1), empty, empty, bias, empty, empty, q.shape[2], k.shape[2], 0.0,
+        dout, q, k, v, out, lse.unsqueeze(-1), None, None, bias, None, None, q.shape[2], k.shape[2], 0.0,
         causal, scale=scale)
     if hkv != h:
         dk, dv = (t.unflatten(1, (hkv, h // hkv)).sum(2) for t in (dk, dv))
@@ -118,11 +119,10 @@ def _cudnn(dout, q, k, v, out, lse, bias, scale, causal, diagonal, window):
 
 def _flash(dout, q, k, v, out, lse, bias, scale, causal, diagonal, window):
     left, right = _window_sizes(q.shape[2], k.shape[2], causal, diagonal, window)
-    empty = torch.empty(0, device=q.device)
-    rng = torch.zeros(2, dtype=torch.uint64, device=q.device)
+    rng = torch.zeros(2, dtype=torch.uint64, device=q.device)  # read only with dropout
     dq, dk, dv = torch.ops.aten._flash_attention_backward(
-        *(t.transpose(1, 2) for t in (dout, q, k, v, out)), lse.contiguous(), empty, empty, q.shape[2], k.shape[2],
-        0.0, causal, rng, empty, scale=scale, window_size_left=left, window_size_right=right if window else None)
+        *(t.transpose(1, 2) for t in (dout, q, k, v, out)), lse.contiguous(), None, None, q.shape[2], k.shape[2],
+        0.0, causal, rng, None, scale=scale, window_size_left=left, window_size_right=right if window else None)
     return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
 
