@@ -193,11 +193,18 @@ def smooth_k(k: torch.Tensor) -> torch.Tensor:
     embeddings a local mean (the first block's) would be worse than none; the spread
     sample is within 0.0007 rel-L2 of the full mean on Gaussian, rotary and MiniLM inputs
     (benchmarks/lab/explore_k_smoothing.py)."""
+    return k.float() - k_mean(k)
+
+
+def k_mean(k: torch.Tensor) -> torch.Tensor:
+    """The mean ``smooth_k`` subtracts, ``[..., 1, D]`` float32.  The forward's LSE is of
+    the smoothed scores: ``lse + (q * sm_scale) . k_mean(k)`` is the scores' own, which
+    merging the LSEs of calls over different keys (ring attention) needs."""
     kf = k.float()
     n = kf.shape[-2]
     count = min(n, K_MEAN_SAMPLES)
     rows = torch.arange(count, device=kf.device) * n // count
-    return kf - kf[..., rows, :].mean(dim=-2, keepdim=True)
+    return kf[..., rows, :].mean(dim=-2, keepdim=True)
 
 
 def quantize_k(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
