@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import common  # noqa: F401  (puts the project root on sys.path, as the other benchmarks do)
 import fp4_inductor
 from fp4_inductor.config import HYBRID
 from fp4_inductor import kernels
