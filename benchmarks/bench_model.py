@@ -34,6 +34,9 @@ import torch
 from common import RESULTS, environment
 
 BACKENDS = ("inductor", "fp4attn-auto", "fp4attn-always", "fp4attn-bf16")
+# Without torch.compile (on request, not by default): the model as is, and through
+# fp4_inductor.patch() (HF's sdpa attention, diffusers' native backend) under a policy.
+EAGER_BACKENDS = ("eager", "eager-fp4attn-auto", "eager-fp4attn-always")
 # Kernel names that are attention in a profile: SDPA's backends, FlashAttention, ours.
 ATTENTION_KERNELS = ("flash", "fmha", "cudnn", "sdpa", "attention", "_fwd_kernel", "_bwd_dkdv", "_bwd_dq",
                      "_fwd_ws", "dq_backward", "dkdv", "quantize")
@@ -169,9 +172,20 @@ def _compiled(model, backend: str):
 
     if backend == "inductor":
         return torch.compile(model)
+    if backend.startswith("eager"):
+        return model if backend == "eager" else _patched(model, policy=backend.rsplit("-", 1)[1])
     if backend == "fp4attn-bf16":
         return torch.compile(model, backend=fp4_inductor.backend(overrides=(("*", "bf16"),)))
     return torch.compile(model, backend=fp4_inductor.backend(policy=backend.split("-")[1]))
+
+
+def _patched(model, policy: str):
+    import fp4_inductor
+
+    def run(*args, **kwargs):
+        with fp4_inductor.patch(), fp4_inductor.configure(policy=policy):
+            return model(*args, **kwargs)
+    return run
 
 
 def _step_fn(model, compiled, point: Point, inputs: dict):
@@ -323,8 +337,8 @@ def main():
     ap.add_argument("--flux-sizes", type=int, nargs="*", default=[1024, 2048], help="Flux image sizes (pixels)")
     ap.add_argument("--wan-sizes", nargs="*", default=list(WAN_LATENTS), choices=list(WAN_LATENTS))
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--backends", nargs="*", default=list(BACKENDS), choices=BACKENDS,
-                    help="inductor is the baseline every ratio is against")
+    ap.add_argument("--backends", nargs="*", default=list(BACKENDS), choices=BACKENDS + EAGER_BACKENDS,
+                    help="inductor is the baseline every ratio is against; the eager ones run on request")
     ap.add_argument("--tiny", action="store_true", help="tiny configs (tests, CPU)")
     ap.add_argument("--out", default=None, help="JSON path (default: results/model_<device>.json)")
     args = ap.parse_args()

@@ -1,4 +1,4 @@
-"""Custom ops ``torch.ops.fp4attn.quantize``, ``fwd``, ``bwd`` and ``by_length``.
+"""Custom ops ``torch.ops.fp4attn.quantize``, ``fwd``, ``bwd``, ``bf16_bwd`` and ``by_length``.
 
 ``quantize`` turns Q, K and V into the forward's operands; ``fwd`` and ``bwd`` take the
 quantized operands.  Where a GPU kernel exists it runs; everywhere else, and if a kernel
@@ -16,7 +16,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from . import documents, reference
 from . import formats as F
-from .kernels import backward_kernel, forward_kernel, quantize_kernel
+from .kernels import backward_kernel, bf16_backward, forward_kernel, quantize_kernel
 
 _warned: set[str] = set()
 
@@ -222,6 +222,42 @@ def attention_bwd(
 def _(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale, qe, qe_scale, ke, ke_scale, bias, row_ref, causal,
       p_mode, out_dtype, grads_contiguous=False, diagonal=0, window=0, q_documents=None, k_documents=None):
     return grads_empty(q, k, v_t, out_dtype, grads_contiguous)
+
+
+@_op("bf16_bwd")
+def attention_bf16_bwd(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    bias: torch.Tensor | None,
+    scale: float,
+    causal: bool,
+    diagonal: int = 0,
+    window: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The hybrid path's backward: dQ, dK, dV (laid out as Q, K and V) from the BF16
+    inputs, the FP8 forward's O and its natural-log LSE, by a BF16 FlashAttention-class
+    kernel (``kernels.bf16_backward``); ``bias`` is the kernels' float32 log2-unit bias of
+    the call's unpadded keys.  Where no kernel runs, ``reference.bf16_attention_backward``."""
+    results = None
+    if q.is_cuda:
+        try:
+            results = bf16_backward.backward(dout, q, k, v, out, lse, bias, scale, causal, diagonal, window)
+        except Exception as err:  # never kill the model: same math from the reference
+            _warn_once("bf16_bwd", f"fp4attn BF16 backward kernel failed ({err!r}); using the reference path")
+    if results is None:
+        results = reference.bf16_attention_backward(dout, q, k, v, out, lse, bias, scale, causal, diagonal, window)
+    # The layout the fake promises (a copy only where the kernel's differs).
+    return tuple(g if g.stride() == torch.empty_like(t, device="meta").stride() else torch.empty_like(t).copy_(g)
+                 for g, t in zip(results, (q, k, v)))
+
+
+@torch.library.register_fake("fp4attn::bf16_bwd")
+def _(dout, q, k, v, out, lse, bias, scale, causal, diagonal=0, window=0):
+    return tuple(torch.empty_like(t) for t in (q, k, v))
 
 
 # Keys a call's K and V are padded to a multiple of: the Gluon kernels read V^T's rows and

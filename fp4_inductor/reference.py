@@ -217,3 +217,48 @@ def attention_backward(
         dk[..., keys, :] += quantize_ds_blocks(ds, dk_block).transpose(-1, -2) @ q[..., rows, :]
         dv[..., keys, :] += p.transpose(-1, -2) @ do[..., rows, :]
     return dq.to(out_dtype), _group_sum(dk, hkv).to(out_dtype), _group_sum(dv, hkv).to(out_dtype)
+
+
+def bf16_attention_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    bias: torch.Tensor | None,
+    scale: float,
+    causal: bool,
+    diagonal: int = 0,
+    window: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What the hybrid path's BF16 backward kernels (``kernels.bf16_backward``) compute
+    from the forward's O and natural-log LSE: P = exp(scale Q K^T + bias - LSE) in float32
+    from the inputs' values, rounded to their dtype as an operand of dV = P^T dO, and
+    dS = P (dO V^T - rowsum(dO O)) rounded likewise for dQ = scale dS K and
+    dK = scale dS^T Q; float32 accumulation.  ``bias``: float32 log2 units or None.  Rows
+    with no visible key (LSE -inf) get zero gradients."""
+    h, hkv = q.shape[1], k.shape[1]
+    nq, nk = q.shape[-2], k.shape[-2]
+    dtype = q.dtype
+    kf, vf = (_heads(t, h).float() for t in (k, v))
+    qf, do = q.float(), dout.float()
+    delta = (do * out.float()).sum(-1, keepdim=True)
+    lse = torch.where(lse == float("-inf"), float("inf"), lse)[..., None]  # P = 0 on empty rows
+    dq, dk, dv = [], 0.0, 0.0
+    for start in range(0, nq, 1024):  # row blocks: memory grows with N, not N**2
+        rows = slice(start, min(start + 1024, nq))
+        s = (qf[..., rows, :] @ kf.transpose(-1, -2)) * scale
+        if bias is not None:
+            s = s + bias.expand(*q.shape[:2], nq, nk)[..., rows, :] * F.LN2
+        keep = F.visible(torch.arange(nq)[rows, None], torch.arange(nk)[None, :], causal, diagonal, window)
+        if keep is not None:
+            s = s.masked_fill(~keep.to(s.device), float("-inf"))
+        p = torch.exp(s - lse[..., rows, :])
+        ds = p * (do[..., rows, :] @ vf.transpose(-1, -2) - delta[..., rows, :])
+        p, ds = p.to(dtype).float(), ds.to(dtype).float()
+        dv = dv + p.transpose(-1, -2) @ do[..., rows, :]
+        dk = dk + ds.transpose(-1, -2) @ qf[..., rows, :]
+        dq.append(ds @ kf)
+    dq = torch.cat(dq, dim=-2) * scale
+    return dq.to(dtype), (_group_sum(dk, hkv) * scale).to(dtype), _group_sum(dv, hkv).to(dtype)

@@ -99,6 +99,21 @@ def test_handwritten_document_mask_is_structure(fresh_seed):
     assert cosine(out, module(x, doc)) > 0.998, f"seed {fresh_seed}"
 
 
+def test_hybrid_path_not_offered_with_documents(fresh_seed):
+    """No BF16 backward takes document ids: an override to the hybrid training path keeps
+    BF16 at a packed site and says why; the function itself refuses the combination."""
+    module = DocumentMasked()
+    x, doc = torch.randn(2, 256, 64, requires_grad=True), documents_of(LENGTHS[:1])[0]
+    with fp4_inductor.configure(overrides={"*": "fp8+bf16bwd"}):
+        report = fp4_inductor.explain(module, x, doc)
+    assert [(s.mask, s.path) for s in report.sites] == [("causal+documents", "bf16")], str(report)
+    assert "no BF16 backward" in report.sites[0].reason, str(report)
+    q = torch.randn(1, 2, 64, 32)
+    ids = torch.arange(64).div(20, rounding_mode="floor")[None]
+    with pytest.raises(ValueError, match="document"):
+        lowp_attention(q, q, q, is_causal=True, backward="bf16", q_documents=ids, k_documents=ids)
+
+
 def _causal_lm(name):
     transformers = pytest.importorskip("transformers")
     kw = dict(vocab_size=128, hidden_size=128, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

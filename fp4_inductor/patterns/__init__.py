@@ -14,6 +14,7 @@ import torch
 import torch.fx as fx
 
 from ..attention import combine_masks, lowp_attention
+from ..config import HYBRID
 from .common import Site, kind, value
 from .masks import erase_dead, lift_mask_structures, materialize
 from .packed import document_kwargs
@@ -72,13 +73,15 @@ def _scale_arg(graph: fx.Graph, scale):
     return result
 
 
-def replace_site(graph: fx.Graph, site: Site, fmt: str, p_mode: str | None, target=lowp_attention,
+def replace_site(graph: fx.Graph, site: Site, path: str, p_mode: str | None, target=lowp_attention,
                  min_keys: int | None = None) -> fx.Node:
-    """Call ``target`` (``lowp_attention``'s signature; tuning passes a probe) in place of the site."""
+    """Call ``target`` (``lowp_attention``'s signature; tuning passes a probe) in place of
+    the site, for ``path`` (``config.PATHS``: a format, or the hybrid training path)."""
+    fmt, backward = ("fp8", "bf16") if path == HYBRID else (path, None)
     if site.kind == "mha":
-        if is_fast_path(site.anchor):
+        if is_fast_path(site.anchor):  # inference only: no backward
             return replace_fast_path(graph, site, fmt, p_mode, min_keys)
-        return replace_mha(graph, site, fmt, p_mode, min_keys)
+        return replace_mha(graph, site, fmt, p_mode, min_keys, backward)
     anchor = site.anchor
     keep_masks, drop_masks = tuple(m for m, _ in site.keep_masks), tuple(m for m, _ in site.drop_masks)
     with graph.inserting_before(anchor):
@@ -99,6 +102,8 @@ def replace_site(graph: fx.Graph, site: Site, fmt: str, p_mode: str | None, targ
                   "fmt": fmt, "p_mode": p_mode, **_structure_kwargs(graph, site)}
         if min_keys is not None:
             kwargs["min_keys"] = min_keys
+        if backward is not None:
+            kwargs["backward"] = backward
         new = graph.call_function(target, (site.q, site.k, site.v), kwargs)
         want = value(anchor).dtype
         if value(site.q).dtype != want:
