@@ -301,7 +301,8 @@ def measure(point: Point, args, progress) -> dict:
     return row
 
 
-def plot(rows: list[dict], path: str) -> None:
+def plot(rows: list[dict], backends: list[str], path: str) -> None:
+    """Each backend's speed against inductor's, per point (``backends``: those compared)."""
     if not rows:
         return
     import matplotlib
@@ -313,11 +314,13 @@ def plot(rows: list[dict], path: str) -> None:
     fig, axes = plt.subplots(1, len(workloads), figsize=(5 * len(workloads), 4), squeeze=False)
     for ax, workload in zip(axes[0], workloads):
         mine = [r for r in rows if r["workload"] == workload]
-        for offset, backend in enumerate(BACKENDS[1:]):
+        width = 0.8 / len(backends)
+        for offset, backend in enumerate(backends):
             ratios = [r["backends"].get(backend, {}).get("vs_inductor", 0.0) for r in mine]
-            ax.bar([i + 0.27 * offset for i in range(len(mine))], ratios, width=0.27, label=backend)
+            ax.bar([i + width * offset for i in range(len(mine))], ratios, width=width, label=backend)
         ax.axhline(1.0, color="k", lw=0.8)
-        ax.set_xticks([i + 0.27 for i in range(len(mine))], [r["point"] for r in mine], rotation=30, ha="right")
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(mine))], [r["point"] for r in mine], rotation=30,
+                      ha="right")
         ax.set_title(workload)
         ax.set_ylabel("speed vs torch.compile (inductor)")
         ax.legend()
@@ -370,12 +373,13 @@ def main():
             rows.append(measure(point, args, progress))
             with open(out, "w") as f:  # after each point: a long run cut short keeps what it measured
                 json.dump({"environment": env, "config": config, "rows": rows}, f, indent=1, default=str)
-    plot(rows, out.replace(".json", ".png"))
-    print(f"\n{'workload':8s} {'point':28s} " + " ".join(f"{b:>15s}" for b in BACKENDS[1:]) + "  attention share")
+    compared = [b for b in args.backends if b != "inductor"]
+    plot(rows, compared, out.replace(".json", ".png"))
+    print(f"\n{'workload':8s} {'point':28s} " + " ".join(f"{b:>20s}" for b in compared) + "  attention share")
     for r in rows:
-        ratios = [r["backends"].get(b, {}).get("vs_inductor") for b in BACKENDS[1:]]
+        ratios = [r["backends"].get(b, {}).get("vs_inductor") for b in compared]
         share = r.get("attention_share")
-        print(f"{r['workload']:8s} {r['point']:28s} " + " ".join(f"{x:14.3f}x" if x else f"{'-':>15s}" for x in ratios)
+        print(f"{r['workload']:8s} {r['point']:28s} " + " ".join(f"{x:19.3f}x" if x else f"{'-':>20s}" for x in ratios)
               + (f"  {share:.0%}" if share is not None else ""))
     print(f"wrote {out}")
 
