@@ -308,6 +308,8 @@ def main():
     ap.add_argument("--ds", type=int, nargs="*", default=[128, 64])
     ap.add_argument("--training", action="store_true", help="forward+backward and backward alone, causal")
     ap.add_argument("--non-causal", action="store_true", help="with --training: no mask instead of causal")
+    ap.add_argument("--methods", nargs="*", default=None, help="with --training: only these rows (names as in "
+                                                                "bench_training.methods)")
     ap.add_argument("--out", default=None, help="path stem (default benchmarks/results/forward_h200, "
                                                  "training_h200 or training_noncausal_h200)")
     args = ap.parse_args()
@@ -318,7 +320,7 @@ def main():
     if args.training:
         import bench_training
 
-        bench_training.run(args.ns, args.ds, not args.non_causal, out + ".json", out + ".png")
+        bench_training.run(args.ns, args.ds, not args.non_causal, out + ".json", out + ".png", args.methods)
     else:
         run(args.ns, args.ds, out + ".json", out + ".png")
 

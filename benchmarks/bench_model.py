@@ -34,6 +34,9 @@ import torch
 from common import RESULTS, environment
 
 BACKENDS = ("inductor", "fp4attn-auto", "fp4attn-always", "fp4attn-bf16")
+# Without torch.compile (on request, not by default): the model as is, and through
+# fp4_inductor.patch() (HF's sdpa attention, diffusers' native backend) under a policy.
+EAGER_BACKENDS = ("eager", "eager-fp4attn-auto", "eager-fp4attn-always")
 # Kernel names that are attention in a profile: SDPA's backends, FlashAttention, ours.
 ATTENTION_KERNELS = ("flash", "fmha", "cudnn", "sdpa", "attention", "_fwd_kernel", "_bwd_dkdv", "_bwd_dq",
                      "_fwd_ws", "dq_backward", "dkdv", "quantize")
@@ -169,9 +172,20 @@ def _compiled(model, backend: str):
 
     if backend == "inductor":
         return torch.compile(model)
+    if backend.startswith("eager"):
+        return model if backend == "eager" else _patched(model, policy=backend.rsplit("-", 1)[1])
     if backend == "fp4attn-bf16":
         return torch.compile(model, backend=fp4_inductor.backend(overrides=(("*", "bf16"),)))
     return torch.compile(model, backend=fp4_inductor.backend(policy=backend.split("-")[1]))
+
+
+def _patched(model, policy: str):
+    import fp4_inductor
+
+    def run(*args, **kwargs):
+        with fp4_inductor.patch(), fp4_inductor.configure(policy=policy):
+            return model(*args, **kwargs)
+    return run
 
 
 def _step_fn(model, compiled, point: Point, inputs: dict):
@@ -287,7 +301,8 @@ def measure(point: Point, args, progress) -> dict:
     return row
 
 
-def plot(rows: list[dict], path: str) -> None:
+def plot(rows: list[dict], backends: list[str], path: str) -> None:
+    """Each backend's speed against inductor's, per point (``backends``: those compared)."""
     if not rows:
         return
     import matplotlib
@@ -299,11 +314,13 @@ def plot(rows: list[dict], path: str) -> None:
     fig, axes = plt.subplots(1, len(workloads), figsize=(5 * len(workloads), 4), squeeze=False)
     for ax, workload in zip(axes[0], workloads):
         mine = [r for r in rows if r["workload"] == workload]
-        for offset, backend in enumerate(BACKENDS[1:]):
+        width = 0.8 / len(backends)
+        for offset, backend in enumerate(backends):
             ratios = [r["backends"].get(backend, {}).get("vs_inductor", 0.0) for r in mine]
-            ax.bar([i + 0.27 * offset for i in range(len(mine))], ratios, width=0.27, label=backend)
+            ax.bar([i + width * offset for i in range(len(mine))], ratios, width=width, label=backend)
         ax.axhline(1.0, color="k", lw=0.8)
-        ax.set_xticks([i + 0.27 for i in range(len(mine))], [r["point"] for r in mine], rotation=30, ha="right")
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(mine))], [r["point"] for r in mine], rotation=30,
+                      ha="right")
         ax.set_title(workload)
         ax.set_ylabel("speed vs torch.compile (inductor)")
         ax.legend()
@@ -323,8 +340,8 @@ def main():
     ap.add_argument("--flux-sizes", type=int, nargs="*", default=[1024, 2048], help="Flux image sizes (pixels)")
     ap.add_argument("--wan-sizes", nargs="*", default=list(WAN_LATENTS), choices=list(WAN_LATENTS))
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--backends", nargs="*", default=list(BACKENDS), choices=BACKENDS,
-                    help="inductor is the baseline every ratio is against")
+    ap.add_argument("--backends", nargs="*", default=list(BACKENDS), choices=BACKENDS + EAGER_BACKENDS,
+                    help="inductor is the baseline every ratio is against; the eager ones run on request")
     ap.add_argument("--tiny", action="store_true", help="tiny configs (tests, CPU)")
     ap.add_argument("--out", default=None, help="JSON path (default: results/model_<device>.json)")
     args = ap.parse_args()
@@ -356,12 +373,13 @@ def main():
             rows.append(measure(point, args, progress))
             with open(out, "w") as f:  # after each point: a long run cut short keeps what it measured
                 json.dump({"environment": env, "config": config, "rows": rows}, f, indent=1, default=str)
-    plot(rows, out.replace(".json", ".png"))
-    print(f"\n{'workload':8s} {'point':28s} " + " ".join(f"{b:>15s}" for b in BACKENDS[1:]) + "  attention share")
+    compared = [b for b in args.backends if b != "inductor"]
+    plot(rows, compared, out.replace(".json", ".png"))
+    print(f"\n{'workload':8s} {'point':28s} " + " ".join(f"{b:>20s}" for b in compared) + "  attention share")
     for r in rows:
-        ratios = [r["backends"].get(b, {}).get("vs_inductor") for b in BACKENDS[1:]]
+        ratios = [r["backends"].get(b, {}).get("vs_inductor") for b in compared]
         share = r.get("attention_share")
-        print(f"{r['workload']:8s} {r['point']:28s} " + " ".join(f"{x:14.3f}x" if x else f"{'-':>15s}" for x in ratios)
+        print(f"{r['workload']:8s} {r['point']:28s} " + " ".join(f"{x:19.3f}x" if x else f"{'-':>20s}" for x in ratios)
               + (f"  {share:.0%}" if share is not None else ""))
     print(f"wrote {out}")
 

@@ -12,6 +12,9 @@ the same run (triton do_bench medians):
     model compiled with ``backend="fp4attn"``), and compiled with ``mode="reduce-overhead"``
     ("ours-direct-graphs": the step replayed as CUDA graphs, without the host's Python;
     forward + backward only);
+  - ours, hybrid: the FP8 forward with a BF16 backward (``backward="bf16"``, the policy's
+    ``fp8+bf16bwd``), eagerly, with FlashAttention-4's backward ("ours-hybrid-fa4") and
+    with torch's cuDNN one ("ours-hybrid-cudnn"), as ``kernels.bf16_backward`` runs them;
   - torch SDPA BF16 on the cuDNN and flash backends, FlashAttention-4 BF16 (flash_attn.cute);
   - cuDNN FP8 (cudnn frontend sdpa_fp8 with stats + sdpa_fp8_backward): E4M3 Q/K/V/O/dO
     cast plainly, E4M3 gradients, and the usual delayed scaling (a first step with unit
@@ -27,6 +30,7 @@ of the three is the row's).  Writes benchmarks/results/training_h200.json and .p
 
 from __future__ import annotations
 
+import os
 import signal
 import traceback
 
@@ -36,6 +40,7 @@ import common as C
 
 from fp4_inductor import formats as F
 from fp4_inductor.attention import lowp_attention
+from fp4_inductor.kernels import bf16_backward
 
 PASSES = {"fwd+bwd": 3.5, "bwd": 2.5}
 # The compiled row specialises on each shape of the grid (14 by default).
@@ -192,11 +197,44 @@ def _cudnn_fp8(causal):
     return setup
 
 
+def _hybrid(causal, only):
+    """Our FP8 forward with the BF16 backward ``only`` (one of ``kernels.bf16_backward``'s,
+    through FP4ATTN_BF16_BACKWARD), or C.NOT_INSTALLED."""
+    if only == "fa4" and not bf16_backward.has_fa4():
+        return C.NOT_INSTALLED
+
+    def attend(q, k, v):
+        return lowp_attention(q, k, v, is_causal=causal, backward="bf16")
+
+    setup = _autograd(attend)
+
+    def setup_only(leaves, dout):
+        fwd_bwd, bwd, grads = _with_env("FP4ATTN_BF16_BACKWARD", only, setup, leaves, dout)
+        return (lambda: _with_env("FP4ATTN_BF16_BACKWARD", only, fwd_bwd),
+                lambda: _with_env("FP4ATTN_BF16_BACKWARD", only, bwd), grads)
+
+    return setup_only
+
+
+def _with_env(var, value, fn, *args):
+    old = os.environ.get(var)
+    os.environ[var] = value
+    try:
+        return fn(*args)
+    finally:
+        if old is None:
+            del os.environ[var]
+        else:
+            os.environ[var] = old
+
+
 def methods(causal):
     def attend(q, k, v):
         return lowp_attention(q, k, v, is_causal=causal)
 
     return {
+        "ours-hybrid-fa4": _hybrid(causal, "fa4"),
+        "ours-hybrid-cudnn": _hybrid(causal, "cudnn"),
         "ours-direct": _autograd(attend),
         "ours-direct-compiled": _autograd(torch.compile(attend, fullgraph=True, dynamic=False)),
         "ours-direct-graphs": _autograd(torch.compile(attend, fullgraph=True, dynamic=False, mode="reduce-overhead"),
@@ -212,14 +250,14 @@ def _rel_l2(got, want):
     return ((got.double() - want.double()).norm() / want.double().norm()).item()
 
 
-def run(ns, ds, causal, out_json, out_png):
+def run(ns, ds, causal, out_json, out_png, only=None):
     import triton
     from tqdm import tqdm
 
     doc = {"env": C.environment(), "flops": "4*B*H*N^2*D (half when causal) x 3.5 fwd+bwd, x 2.5 bwd",
            "timer": "triton.testing.do_bench(warmup=10 ms, rep=40 ms), median",
            "grid": f"B*N=16384, H*D=2048, {'causal' if causal else 'non-causal'}", "results": []}
-    table = methods(causal)
+    table = {name: setup for name, setup in methods(causal).items() if not only or name in only}
     items = [(d, n) for d in ds for n in ns]
     bar = tqdm(total=len(items) * len(table), desc="training", unit="run", mininterval=10)
     signal.signal(signal.SIGTERM, C.stop)

@@ -33,7 +33,9 @@ PATHS = {"fp8": ["ours-direct+quant"], "fp4": ["ours-fp4+quant"], "bf16": ["sdpa
          # the kernels alone: what the quantization pass adds is the difference, which a GQA
          # site pays on fewer K/V heads (policy.CostTable.speedup)
          "fp8-kernel": ["ours-direct"], "fp4-kernel": ["ours-fp4"]}
-TRAINING_PATHS = {"fp8": ["ours-direct-compiled"], "bf16": ["sdpa-cudnn-bf16", "sdpa-flash-bf16"]}
+TRAINING_PATHS = {"fp8": ["ours-direct-compiled"], "bf16": ["sdpa-cudnn-bf16", "sdpa-flash-bf16"],
+                  # the hybrid path, by the BF16 backward it ran (policy.PricedPath.rates)
+                  "fp8+bf16bwd:fa4": ["ours-hybrid-fa4"], "fp8+bf16bwd:cudnn": ["ours-hybrid-cudnn"]}
 # Fixed cost of the low-precision path's extra kernels (quantization of Q, K, V and K's
 # mean) at shapes too small to fill the GPU: about five launches of ~3 us.
 LAUNCH_US = 15.0
@@ -101,11 +103,36 @@ def main(forward: str, *training: str, masked: tuple[str, ...] = (), masked_trai
     print(out)
 
 
+def update(*training: str) -> None:
+    """Fold further ``--training`` JSONs into the GPU's existing table (rows they measure
+    are set, BF16's to the faster of old and new; the others stay)."""
+    docs = [(path, json.loads(Path(path).read_text())) for path in training]
+    out = policy.table_path(docs[0][1]["env"]["device"])
+    table = json.loads(out.read_text())
+    rates = defaultdict(lambda: defaultdict(dict), {p: defaultdict(dict, by_key) for p, by_key in table["tflops"].items()})
+    for path, doc in docs:
+        fresh: dict = defaultdict(lambda: defaultdict(dict))
+        _add_rates(fresh, doc["results"], TRAINING_PATHS, "train")
+        for name, by_key in fresh.items():
+            for key, points in by_key.items():
+                for n, rate in points.items():
+                    old = rates[name][key].get(n)
+                    rates[name][key][n] = max(old, rate) if name == "bf16" and old is not None else rate
+        table["source"] += f"; {Path(path).name} ({doc['env'].get('date', '')}, torch {doc['env'].get('torch', '')})"
+    table["tflops"] = rates
+    out.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+    print(out)
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("forward", help="bench_attention.py's forward JSON")
+    ap.add_argument("--update", nargs="*", default=None, help="only fold these --training JSONs into the table")
+    ap.add_argument("forward", nargs="?", help="bench_attention.py's forward JSON")
     ap.add_argument("training", nargs="*", help="bench_attention.py --training JSONs (causal, non-causal)")
     ap.add_argument("--masked", nargs="*", default=[], help="explore_masked_sites.py JSONs")
     ap.add_argument("--masked-training", nargs="*", default=[], help="explore_padded_training.py --compile JSONs")
     args = ap.parse_args()
+    if args.update:
+        update(*args.update)
+        raise SystemExit
     main(args.forward, *args.training, masked=tuple(args.masked), masked_training=tuple(args.masked_training))

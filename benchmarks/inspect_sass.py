@@ -42,7 +42,7 @@ def compile_variant(d, p_mode, causal, bias_mode, block_m, warps, stages, maxnre
                     options=None, out_dtype="bf16", windowed=False):
     names = K._fwd_kernel.arg_names
     ptr_types = {"Q": "*i8", "K": "*i8", "VT": "*fp8e4nv", "QS": "*fp32", "KS": "*fp32", "VS": "*fp32",
-                 "RANGES": "*i32",
+                 "RANGES": "*i32", "QDOC": "*i64", "KDOC": "*i64", "DOC_RANGES": "*i32",
                  "BIAS": "*fp32", "OUT": f"*{out_dtype}", "LSE": "*fp32", "ROW_REF": "*fp32"}
     head_dim = F.kernel_head_dim(d)
     tma = tma and head_dim == d  # padded head dims take the pointer path (the launcher's rule)
@@ -56,7 +56,8 @@ def compile_variant(d, p_mode, causal, bias_mode, block_m, warps, stages, maxnre
     constexprs = dict(D_QK=d, D_V=d, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim, BLOCK_M=block_m, BLOCK_N=K.BLOCK_N,
                       P_MODE=K._P_MODE_ID[p_mode], CAUSAL=causal, WINDOWED=causal and windowed, BIAS_MODE=bias_mode,
                       USE_TMA=tma, PERM_P=perm, EMULATE=False, LIFT=F.p_lift(p_mode), EMPTY_ROW=F.EMPTY_ROW_LOG2,
-                      SKIP_MASKED=bias_mode == 1 and K.key_bias.TRITON_SKIPS_MASKED_TILES, **K.OPTIONS)
+                      SKIP_MASKED=bias_mode == 1 and K.key_bias.TRITON_SKIPS_MASKED_TILES, DOCUMENTS=False,
+                      **K.OPTIONS)
     constexprs.update(options or {})
     constexprs.update({n: 1 for n in unit})
     signature = {}

@@ -26,7 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import common  # noqa: F401  (puts the project root on sys.path, as the other benchmarks do)
 import fp4_inductor
+from fp4_inductor.config import HYBRID
 from fp4_inductor import kernels
 
 RESULTS = Path(__file__).parent / "results"
@@ -88,7 +90,9 @@ def train(arm: str, args, train_data, val_data, device, init_state) -> dict:
     torch._dynamo.reset()
     model = GPT(args.layers, args.width, args.heads, args.seq).to(device)
     model.load_state_dict(init_state)
-    backend = "inductor" if arm == "bf16" else fp4_inductor.backend(policy="always", fmt=arm)
+    # fp8+bf16bwd: the FP8 forward with a BF16 backward at every site (the hybrid path).
+    options = dict(overrides=(("*", arm),)) if arm == HYBRID else dict(policy="always", fmt=arm)
+    backend = "inductor" if arm == "bf16" else fp4_inductor.backend(**options)
     step_fn = torch.compile(model, backend=backend)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
@@ -96,7 +100,8 @@ def train(arm: str, args, train_data, val_data, device, init_state) -> dict:
     if arm != "bf16":  # the arm means nothing unless every attention site really runs low precision
         x0 = next(batches(train_data, args.batch, args.seq, 1, seed=1))[0].to(device)
         with amp:
-            sites = [(s.name, s.path) for s in fp4_inductor.explain(model, x0, policy="always", fmt=arm).sites]
+            with fp4_inductor.configure(**options):
+                sites = [(s.name, s.path) for s in fp4_inductor.explain(model, x0).sites]
         model.zero_grad(set_to_none=True)
         assert sites and all(path == arm for _, path in sites), sites
     curve, val_curve, step_ms = [], [], []
@@ -172,7 +177,7 @@ def plot(doc: dict, path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=3000)
-    parser.add_argument("--arms", nargs="+", default=["bf16", "fp8", "fp4"])
+    parser.add_argument("--arms", nargs="+", default=["bf16", "fp8", HYBRID, "fp4"])
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--heads", type=int, default=8)

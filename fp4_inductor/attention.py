@@ -13,6 +13,7 @@ import math
 
 import torch
 
+from . import documents
 from . import formats as F
 from . import ops
 
@@ -37,12 +38,21 @@ def combine_masks(attn_mask, bias_terms, keep_masks, drop_masks):
     return total
 
 
+def refuse_double_backward():
+    """Under create_graph=True our backward ops (no gradient of their own) would return
+    detached dQ, dK, dV and a second-order term would vanish without a word
+    (``once_differentiable`` raises only when dO itself requires grad): raise instead."""
+    if torch.is_grad_enabled():
+        raise RuntimeError("fp4attn: low-precision attention has no second derivative (create_graph=True); "
+                           "use F.scaled_dot_product_attention (policy='never') for double backward")
+
+
 class _LowPrecisionAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, bias, sm_scale, causal, fmt, p_mode, diagonal, window):
+    def forward(ctx, q, k, v, bias, sm_scale, causal, fmt, p_mode, diagonal, window, q_documents, k_documents):
         out, lse, row_ref, operands = ops.quantized_forward(q, k, v, bias, sm_scale, causal, fmt, p_mode,
-                                                            diagonal, window)
-        ctx.save_for_backward(*operands, bias, out, lse, row_ref)
+                                                            diagonal, window, q_documents, k_documents)
+        ctx.save_for_backward(*operands, bias, out, lse, row_ref, q_documents, k_documents)
         ctx.sm_scale, ctx.causal, ctx.p_mode, ctx.structure = sm_scale, causal, p_mode, (diagonal, window)
         # Gradients in the inputs' layout: contiguous inputs (leaves, say) get contiguous
         # gradients, so that autograd does not re-lay them out with a strided copy.
@@ -52,13 +62,8 @@ class _LowPrecisionAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, _):
-        if torch.is_grad_enabled():
-            # create_graph=True: fp4attn::bwd has no gradient of its own, so dQ, dK and dV
-            # would come out detached and a second-order term be dropped without a word
-            # (once_differentiable raises only when dO itself requires grad).
-            raise RuntimeError("fp4attn: low-precision attention has no second derivative (create_graph=True); "
-                               "use F.scaled_dot_product_attention (policy='never') for double backward")
-        q8, k8, v8t, q_scale, k_scale, v_scale, bias, out, lse, row_ref = ctx.saved_tensors
+        refuse_double_backward()
+        q8, k8, v8t, q_scale, k_scale, v_scale, bias, out, lse, row_ref, q_documents, k_documents = ctx.saved_tensors
         do8, do_scale, delta, qe, qe_scale, ke, ke_scale = backward_inputs(
             dout, out, lse, row_ref, q8, q_scale, k8, k_scale, ctx.p_mode)
         # Ke's scales are read by dQ's product alone: with the softmax scale folded into them
@@ -66,9 +71,48 @@ class _LowPrecisionAttention(torch.autograd.Function):
         # kernel rescales it after.
         dq, dk, dv = torch.ops.fp4attn.bwd(
             do8, do_scale, delta, q8, k8, v8t, q_scale, k_scale, v_scale, qe, qe_scale, ke, ke_scale * ctx.sm_scale,
-            bias, row_ref, ctx.causal, ctx.p_mode, dout.dtype, ctx.grads_contiguous, *ctx.structure,
+            bias, row_ref, ctx.causal, ctx.p_mode, dout.dtype, ctx.grads_contiguous, *ctx.structure, q_documents,
+            k_documents,
         )
-        return dq, dk, dv, None, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None, None, None
+
+
+class _HybridAttention(torch.autograd.Function):
+    """The FP8 forward with a BF16 FlashAttention-class backward (``fp4attn::bf16_bwd``):
+    what is saved is what BF16 SDPA saves (Q, K, V, O, LSE; no quantized copies), and the
+    backward applies the forward's exact structure to the call's own, unpadded keys."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, attn_mask, key_padding, sm_scale, causal, fmt, p_mode, diagonal, window):
+        k_op, v_op, bias = ops.align_keys(k, v, attn_mask, key_padding)
+        out, lse = ops.quantized_forward(q, k_op, v_op, bias, sm_scale, causal, fmt, p_mode, diagonal, window)[:2]
+        if k_op is not k:  # the backward's bias without the padding keys (None without masks)
+            bias = F.mask_to_log2_bias(attn_mask, key_padding)
+        ctx.save_for_backward(q, k, v, bias, out, real_scores_lse(lse, q, k_op, sm_scale, p_mode))
+        ctx.sm_scale, ctx.causal, ctx.structure = sm_scale, causal, (diagonal, window)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _):
+        refuse_double_backward()
+        q, k, v, bias, out, lse = ctx.saved_tensors
+        dq, dk, dv = torch.ops.fp4attn.bf16_bwd(dout, q, k, v, out, lse, bias, ctx.sm_scale, ctx.causal,
+                                                *ctx.structure)
+        return dq, dk, dv, None, None, None, None, None, None, None, None
+
+
+def real_scores_lse(lse, q, k_op, sm_scale: float, p_mode: str) -> torch.Tensor:
+    """The LSE of the real scores, which the BF16 kernels recompute P against, from the
+    forward's: that one is of K's smoothed scores (``k_op``: the K the forward quantized)
+    and of Direct-P's represented probabilities.  Uncorrected, it cost the gradients
+    0.09 rel-L2 against fp64; corrected 0.02 (CPU reference, N = 200-1024, D = 64-128)."""
+    return lse + F.smoothing_shift(q, k_op, sm_scale) - F.p_sum_log_bias(p_mode)
+
+
+# The backward a training site takes: the format's own low-precision one, or BF16 after
+# the low-precision forward (``_HybridAttention``).
+BACKWARDS = ("lowp", "bf16")
 
 
 def backward_inputs(dout, out, lse, row_ref, q8, q_scale, k8, k_scale, p_mode):
@@ -141,6 +185,9 @@ def lowp_attention(
     window: int = 0,
     key_padding: torch.Tensor | None = None,
     empty_rows: str = "zero",
+    q_documents: torch.Tensor | None = None,
+    k_documents: torch.Tensor | None = None,
+    backward: str = "lowp",
 ) -> torch.Tensor:
     """Drop-in for ``F.scaled_dot_product_attention`` (no dropout) in low precision.
 
@@ -151,22 +198,32 @@ def lowp_attention(
     structure, which the kernels apply without a mask tensor (``formats.visible``):
     ``is_causal`` (top-left, as SDPA, with ``diagonal`` 0), ``diagonal`` (key ``j``
     visible to query ``i`` iff ``j <= i + diagonal``), ``window`` (and ``j > i + diagonal
-    - window``); ``key_padding``: ``[B, Nk]`` boolean, True for keys every query may see.
+    - window``); ``key_padding``: ``[B, Nk]`` boolean, True for keys every query may see;
+    ``q_documents`` ``[B, Nq]`` and ``k_documents`` ``[B, Nk]``: integer document ids, a
+    query seeing only keys of its own document (``documents.py``).
     ``empty_rows``: what a query row with no visible key gets (``EMPTY_ROWS``).
     ``min_keys`` (inference only): low precision only from this many keys at run time,
     SDPA below, decided per call without a guard on the length (``fp4attn::by_length``).
+    ``backward`` (``BACKWARDS``): ``"lowp"``, the format's own backward kernels, or
+    ``"bf16"``, a BF16 FlashAttention-class backward from the forward's O and LSE
+    (``kernels.bf16_backward``; the policy's path ``fp8+bf16bwd``).
     """
     if k.shape[-1] != q.shape[-1]:
         raise ValueError(f"query and key head dims differ ({q.shape[-1]}, {k.shape[-1]}): "
                          "use F.scaled_dot_product_attention")
     if empty_rows not in EMPTY_ROWS:
         raise ValueError(f"empty_rows must be one of {EMPTY_ROWS}, got {empty_rows!r}")
+    if backward not in BACKWARDS:
+        raise ValueError(f"backward must be one of {BACKWARDS}, got {backward!r}")
     if window and not is_causal:
         raise ValueError("a window needs is_causal")
     if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (attn_mask, scale)):
         # The mask becomes a fixed bias and the scale is folded into the operands: neither
         # would get its gradient.  (The compiler leaves such sites to SDPA.)
         raise ValueError("a mask or scale that requires grad is not supported: use F.scaled_dot_product_attention")
+    documents.check(q_documents, k_documents, q.shape[0], q.shape[-2], k.shape[-2])
+    if q_documents is not None:
+        q_documents, k_documents = (ids.long().contiguous() for ids in (q_documents, k_documents))
     squeeze = q.dim() == 3
     if squeeze:
         q, k, v = q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)
@@ -175,6 +232,10 @@ def lowp_attention(
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     p_mode = p_mode or default_p_mode(fmt)
+    if backward == "bf16" and p_mode not in ("direct", "exp"):
+        raise ValueError(f"backward='bf16' needs fmt='fp8' (P mode direct or exp), got P mode {p_mode!r}")
+    if backward == "bf16" and q_documents is not None:
+        raise ValueError("backward='bf16' does not apply document masks (no BF16 backward takes them)")
     if min_keys is not None:
         if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
             raise ValueError("min_keys (a run-time branch) is for inference: the branch has no autograd")
@@ -183,10 +244,17 @@ def lowp_attention(
             # scale into Q, one rounding to Q's dtype, far below the INT8 step of Q.
             q, scale = (q.float() * scale).to(q.dtype), 1.0
         out, empty = torch.ops.fp4attn.by_length(q, k, v, attn_mask, float(scale), is_causal, fmt, p_mode, min_keys,
-                                                 diagonal, window, key_padding)
+                                                 diagonal, window, key_padding, q_documents, k_documents)
+    elif backward == "bf16":
+        if not isinstance(scale, (int, float)):  # the BF16 kernels take a float: fold it into Q
+            q, scale = (q.float() * scale).to(q.dtype), 1.0
+        out, lse = _HybridAttention.apply(q, k, v, attn_mask, key_padding, float(scale), is_causal, fmt, p_mode,
+                                          diagonal, window)
+        empty = lse == -math.inf
     else:
         k_op, v_op, bias = ops.align_keys(k, v, attn_mask, key_padding)
-        out, lse = _LowPrecisionAttention.apply(q, k_op, v_op, bias, scale, is_causal, fmt, p_mode, diagonal, window)
+        out, lse = _LowPrecisionAttention.apply(q, k_op, v_op, bias, scale, is_causal, fmt, p_mode, diagonal, window,
+                                                q_documents, documents.pad_keys(k_documents, k_op.shape[-2]))
         empty = lse == -math.inf
     out = empty_row_fill(out, empty, v, empty_rows, attn_mask)
     return out.squeeze(1) if squeeze else out

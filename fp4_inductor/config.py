@@ -12,6 +12,10 @@ import os
 from .formats import FORMATS
 
 POLICIES = ("auto", "always", "never")
+# The training path of our FP8 forward with a BF16 FlashAttention-class backward
+# (``attention.lowp_attention(backward="bf16")``); at an inference site it is the fp8 path.
+HYBRID = "fp8+bf16bwd"
+PATHS = (*FORMATS, HYBRID, "bf16")
 FP8_P_MODES = ("direct", "exp")  # fp4's P has its own classifier (formats)
 
 
@@ -22,7 +26,8 @@ class Options:
     # Advanced: the P operand mode for fmt="fp8" ("direct" or "exp"); None = format default.
     p_mode: str | None = None
     # Per-site overrides, first match wins: ((glob on the site's module path, path), ...),
-    # e.g. (("model.layers.0.*", "bf16"),) keeps the first layer in BF16.
+    # e.g. (("model.layers.0.*", "bf16"),) keeps the first layer in BF16; HYBRID gives a
+    # training site the FP8 forward with a BF16 backward.
     overrides: tuple = ()
     # tune(): keep low precision at a site only if its output cosine vs BF16 is at least this.
     min_cosine: float = 0.99
@@ -35,14 +40,14 @@ class Options:
         if self.p_mode is not None and self.p_mode not in FP8_P_MODES:
             raise ValueError(f"p_mode must be one of {FP8_P_MODES}, got {self.p_mode!r}")
         for pattern, path in self.overrides:
-            if not isinstance(pattern, str) or path not in (*FORMATS, "bf16"):
-                raise ValueError(f"override ({pattern!r}, {path!r}): need (glob, one of {(*FORMATS, 'bf16')})")
+            if not isinstance(pattern, str) or path not in PATHS:
+                raise ValueError(f"override ({pattern!r}, {path!r}): need (glob, one of {PATHS})")
         if not 0.0 <= self.min_cosine <= 1.0:
             raise ValueError(f"min_cosine must lie in [0, 1], got {self.min_cosine}")
 
     def p_mode_for(self, path: str) -> str | None:
         """The P mode a site taking ``path`` runs: ``p_mode`` is fp8's option; fp4 has its own."""
-        return self.p_mode if path == "fp8" else None
+        return self.p_mode if path in ("fp8", HYBRID) else None
 
     def replace(self, **changes) -> "Options":
         if isinstance(changes.get("overrides"), dict):

@@ -8,6 +8,7 @@ import torch
 
 from . import config
 from .compiler import SiteRecord, rewrite
+from .eager import recording
 from .tuning import run_once
 
 
@@ -20,6 +21,7 @@ class Report:
     graphs: int = 0
     graph_breaks: list[str] = dataclasses.field(default_factory=list)
     error: str | None = None
+    eager: bool = False  # explain(eager=True): the model ran without Dynamo
 
     def __str__(self) -> str:
         lines = [self._table()] if self.sites else [self._no_sites()]
@@ -30,6 +32,10 @@ class Report:
         return "\n".join(lines)
 
     def _no_sites(self) -> str:
+        if self.eager:
+            return ("fp4attn: no attention call went through fp4_inductor's eager attention "
+                    "(scaled_dot_product_attention, patch(), attn_implementation=\"fp4attn\", the diffusers processor)"
+                    + (f"; the run failed: {self.error}" if self.error is not None else ""))
         if self.error is not None:
             return f"fp4attn: tracing failed, so no site could be examined: {self.error}"
         if self.graph_breaks:
@@ -64,12 +70,19 @@ class Report:
         return "\n".join(lines)
 
 
-def explain(model_or_fn, *args, policy: str | None = None, fmt: str | None = None, **kwargs) -> Report:
+def explain(model_or_fn, *args, policy: str | None = None, fmt: str | None = None, eager: bool = False,
+            **kwargs) -> Report:
     """Compile ``model_or_fn`` with the fp4attn rewrite, run it once on ``args``/``kwargs``
     and report every attention site, the graph breaks and, if tracing fails, why (reported,
     not raised).  The rewritten graphs run eagerly (no Inductor compile), so this is quick;
     the decisions are the ones ``backend="fp4attn"`` makes.  Resets Dynamo's caches, as
-    ``torch._dynamo.explain`` does (``tuning.run_once``)."""
+    ``torch._dynamo.explain`` does (``tuning.run_once``).
+
+    With ``eager=True`` the model runs once as it is, without Dynamo, and the report lists
+    every call of fp4_inductor's eager attention (``fp4_inductor.scaled_dot_product_attention``,
+    ``patch()``, the transformers and diffusers integrations) with its path and reason."""
+    if eager:
+        return _explain_eager(model_or_fn, args, kwargs, policy, fmt)
     options = config.current().replace(policy=policy, fmt=fmt)
     records: list[SiteRecord] = []
     graphs = []
@@ -88,6 +101,17 @@ def explain(model_or_fn, *args, policy: str | None = None, fmt: str | None = Non
         error = _summary(err)
     breaks = [_break_line(reason) for reason in counters["graph_break"]]
     return Report(records, graphs=len(graphs), graph_breaks=breaks, error=error)
+
+
+def _explain_eager(model_or_fn, args, kwargs, policy, fmt) -> Report:
+    names = {m: n for n, m in model_or_fn.named_modules()} if isinstance(model_or_fn, torch.nn.Module) else {}
+    error = None
+    with config.configure(policy=policy, fmt=fmt), recording(names) as records:
+        try:
+            model_or_fn(*args, **kwargs)
+        except Exception as err:  # reported, as a failed trace is
+            error = _summary(err)
+    return Report(records, error=error, eager=True)
 
 
 def _break_line(reason: str) -> str:

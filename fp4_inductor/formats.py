@@ -18,6 +18,7 @@ Conventions (both formats):
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -193,11 +194,24 @@ def smooth_k(k: torch.Tensor) -> torch.Tensor:
     embeddings a local mean (the first block's) would be worse than none; the spread
     sample is within 0.0007 rel-L2 of the full mean on Gaussian, rotary and MiniLM inputs
     (benchmarks/lab/explore_k_smoothing.py)."""
-    kf = k.float()
-    n = kf.shape[-2]
+    return k.float() - k_smoothing_mean(k)
+
+
+def k_smoothing_mean(k: torch.Tensor) -> torch.Tensor:
+    """The mean ``smooth_k`` subtracts, float32 ``[B, Hkv, 1, D]``."""
+    n = k.shape[-2]
     count = min(n, K_MEAN_SAMPLES)
-    rows = torch.arange(count, device=kf.device) * n // count
-    return kf - kf[..., rows, :].mean(dim=-2, keepdim=True)
+    rows = torch.arange(count, device=k.device) * n // count
+    return k[..., rows, :].float().mean(dim=-2, keepdim=True)
+
+
+def smoothing_shift(q: torch.Tensor, k: torch.Tensor, sm_scale: float) -> torch.Tensor:
+    """What ``smooth_k`` took off every score of a row, ``sm_scale * q . mean``, float32
+    ``[B, H, Nq]``: the forward's LSE (of the smoothed scores) plus this is the LSE of
+    the real scores, which a backward recomputing P from the unsmoothed Q and K needs."""
+    mean = k_smoothing_mean(k)
+    mean = mean.repeat_interleave(q.shape[1] // k.shape[1], dim=1) if k.shape[1] != q.shape[1] else mean
+    return (q.float() @ mean.transpose(-1, -2)).squeeze(-1) * sm_scale
 
 
 def quantize_k(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -360,6 +374,19 @@ def probability_operand(x: torch.Tensor, m: torch.Tensor, p_mode: str) -> torch.
     if p_mode == "fp4":
         return fp4_probability(x, m)
     raise ValueError(f"unknown p_mode {p_mode!r}")
+
+
+@functools.cache
+def p_sum_log_bias(p_mode: str) -> float:
+    """ln(sum of the represented probabilities / sum of the exact ones) of a row whose
+    scores' fractional parts spread evenly (any row of more than a few keys): what the
+    forward's LSE exceeds the exact LSE by.  Direct-P's codes lie above 2**x by up to
+    6.1 %, 4.0 % on such a row; E4M3 rounding of exp2 is almost unbiased."""
+    if p_mode not in ("direct", "exp"):
+        raise ValueError(f"no LSE bias for p_mode {p_mode!r} (its blocks' codes depend on their maxima)")
+    x = -1.0 - (torch.arange(1 << 16, dtype=torch.float64) + 0.5) / (1 << 16)  # one octave below the reference
+    represented = probability_operand(x, torch.zeros(1, dtype=torch.float64), p_mode).double() * 2.0 ** -p_lift(p_mode)
+    return math.log(represented.sum().item() / torch.exp2(x).sum().item())
 
 
 def fp4_probability(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Custom ops ``torch.ops.fp4attn.quantize``, ``fwd``, ``bwd`` and ``by_length``.
+"""Custom ops ``torch.ops.fp4attn.quantize``, ``fwd``, ``bwd``, ``bf16_bwd`` and ``by_length``.
 
 ``quantize`` turns Q, K and V into the forward's operands; ``fwd`` and ``bwd`` take the
 quantized operands.  Where a GPU kernel exists it runs; everywhere else, and if a kernel
@@ -12,10 +12,11 @@ import math
 import warnings
 
 import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from . import reference
+from . import documents, reference
 from . import formats as F
-from .kernels import backward_kernel, forward_kernel, quantize_kernel
+from .kernels import backward_kernel, bf16_backward, forward_kernel, quantize_kernel
 
 _warned: set[str] = set()
 
@@ -129,11 +130,15 @@ def attention_fwd(
     out_dtype: torch.dtype,
     diagonal: int = 0,
     window: int = 0,
+    q_documents: torch.Tensor | None = None,
+    k_documents: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Attention over INT8 Q ``[B, H, Nq, D]`` (per-token scale), INT8 K ``[B, Hkv, Nk, D]``
     (per-block scale), E4M3 V stored K-major ``[B, Hkv, Dv, Nk]`` (per-head scale) and an
     optional float32 log2-unit bias broadcastable to ``[B, H, Nq, Nk]``; ``causal`` with
-    ``diagonal`` and ``window`` is the causal structure (``formats.visible``).
+    ``diagonal`` and ``window`` is the causal structure (``formats.visible``);
+    ``q_documents`` [B, Nq] and ``k_documents`` [B, Nk] integer ids, the document
+    structure (``documents.py``).
     Returns O ``[B, H, Nq, Dv]`` (stored ``[B, Nq, H, Dv]``), the natural-log LSE of the
     represented probabilities and the integer row reference of the P codes (float32
     ``[B, H, Nq]`` each; see ``reference.attention_forward``).  A row with no visible key
@@ -144,18 +149,21 @@ def attention_fwd(
     kernel = forward_kernel(q, p_mode)
     if kernel is not None:
         try:
-            kernel(q, k, v_t, q_scale, k_scale, v_scale, bias, causal, p_mode, out, lse, row_ref, diagonal, window)
+            kernel(q, k, v_t, q_scale, k_scale, v_scale, bias, causal, p_mode, out, lse, row_ref, diagonal, window,
+                   q_documents, k_documents)
             return out, lse, row_ref
         except Exception as err:  # never kill the model: same numbers from the reference
             _warn_once("fwd", f"fp4attn forward kernel failed ({err!r}); using the reference path")
     for dst, src in zip((out, lse, row_ref), reference.attention_forward(
-            q, k, v_t, q_scale, k_scale, v_scale, bias, causal, p_mode, out_dtype, diagonal, window)):
+            q, k, v_t, q_scale, k_scale, v_scale, bias, causal, p_mode, out_dtype, diagonal, window, q_documents,
+            k_documents)):
         dst.copy_(src)
     return out, lse, row_ref
 
 
 @torch.library.register_fake("fp4attn::fwd")
-def _(q, k, v_t, q_scale, k_scale, v_scale, bias, causal, p_mode, out_dtype, diagonal=0, window=0):
+def _(q, k, v_t, q_scale, k_scale, v_scale, bias, causal, p_mode, out_dtype, diagonal=0, window=0, q_documents=None,
+      k_documents=None):
     b, h, nq, _ = q.shape
     row = q.new_empty(b, h, nq, dtype=torch.float32)
     return bnhd_empty(q, h, nq, v_t.shape[-2], out_dtype), row, torch.empty_like(row)
@@ -184,6 +192,8 @@ def attention_bwd(
     grads_contiguous: bool = False,
     diagonal: int = 0,
     window: int = 0,
+    q_documents: torch.Tensor | None = None,
+    k_documents: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients from the forward's saved operands; see ``reference.attention_backward``.
     dQ is w.r.t. Q times the softmax scale for the Ke scales ``formats.backward_operands``
@@ -195,13 +205,13 @@ def attention_bwd(
     if kernel is not None:
         try:
             kernel(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale, qe, qe_scale, ke, ke_scale,
-                   bias, row_ref, causal, p_mode, dq, dk, dv, diagonal, window)
+                   bias, row_ref, causal, p_mode, dq, dk, dv, diagonal, window, q_documents, k_documents)
             return dq, dk, dv
         except Exception as err:  # never kill the model: same numbers from the reference
             _warn_once("bwd", f"fp4attn backward kernel failed ({err!r}); using the reference path")
     grads = reference.attention_backward(
         do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale, qe, qe_scale, ke, ke_scale,
-        bias, row_ref, causal, p_mode, out_dtype, diagonal, window,
+        bias, row_ref, causal, p_mode, out_dtype, diagonal, window, q_documents, k_documents,
     )
     for dst, src in zip((dq, dk, dv), grads):
         dst.copy_(src)
@@ -210,8 +220,44 @@ def attention_bwd(
 
 @torch.library.register_fake("fp4attn::bwd")
 def _(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale, qe, qe_scale, ke, ke_scale, bias, row_ref, causal,
-      p_mode, out_dtype, grads_contiguous=False, diagonal=0, window=0):
+      p_mode, out_dtype, grads_contiguous=False, diagonal=0, window=0, q_documents=None, k_documents=None):
     return grads_empty(q, k, v_t, out_dtype, grads_contiguous)
+
+
+@_op("bf16_bwd")
+def attention_bf16_bwd(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    bias: torch.Tensor | None,
+    scale: float,
+    causal: bool,
+    diagonal: int = 0,
+    window: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The hybrid path's backward: dQ, dK, dV (laid out as Q, K and V) from the BF16
+    inputs, the FP8 forward's O and its natural-log LSE, by a BF16 FlashAttention-class
+    kernel (``kernels.bf16_backward``); ``bias`` is the kernels' float32 log2-unit bias of
+    the call's unpadded keys.  Where no kernel runs, ``reference.bf16_attention_backward``."""
+    results = None
+    if q.is_cuda:
+        try:
+            results = bf16_backward.backward(dout, q, k, v, out, lse, bias, scale, causal, diagonal, window)
+        except Exception as err:  # never kill the model: same math from the reference
+            _warn_once("bf16_bwd", f"fp4attn BF16 backward kernel failed ({err!r}); using the reference path")
+    if results is None:
+        results = reference.bf16_attention_backward(dout, q, k, v, out, lse, bias, scale, causal, diagonal, window)
+    # The layout the fake promises (a copy only where the kernel's differs).
+    return tuple(g if g.stride() == torch.empty_like(t, device="meta").stride() else torch.empty_like(t).copy_(g)
+                 for g, t in zip(results, (q, k, v)))
+
+
+@torch.library.register_fake("fp4attn::bf16_bwd")
+def _(dout, q, k, v, out, lse, bias, scale, causal, diagonal=0, window=0):
+    return tuple(torch.empty_like(t) for t in (q, k, v))
 
 
 # Keys a call's K and V are padded to a multiple of: the Gluon kernels read V^T's rows and
@@ -225,10 +271,12 @@ def align_keys(k, v, attn_mask, key_padding):
     """``k`` and ``v`` with zero keys appended up to a multiple of ``KEY_ALIGN``, and the
     kernels' bias (``formats.mask_to_log2_bias``) of ``attn_mask`` and ``key_padding``
     (``[B, Nk]``, True keeps) with the new keys masked off.  The attention is the same;
-    dK and dV flow back through the padding's slice.  Aligned calls keep their keys."""
+    dK and dV flow back through the padding's slice.  Aligned calls keep their keys; a
+    symbolic length is padded whatever it is (by no key where aligned): a branch on it
+    would guard on ``(-N) % 16``, and a sweep over lengths compile one graph more than BF16."""
     nk = k.shape[-2]
     pad = -nk % KEY_ALIGN
-    if pad == 0:
+    if statically_known_true(pad == 0):
         return k, v, F.mask_to_log2_bias(attn_mask, key_padding)
     k, v = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (k, v))
     if key_padding is None:
@@ -240,14 +288,16 @@ def align_keys(k, v, attn_mask, key_padding):
     return k, v, F.mask_to_log2_bias(attn_mask, key_padding)
 
 
-def quantized_forward(q, k, v, bias, sm_scale, causal, fmt, p_mode, diagonal=0, window=0):
+def quantized_forward(q, k, v, bias, sm_scale, causal, fmt, p_mode, diagonal=0, window=0, q_documents=None,
+                      k_documents=None):
     """quantize + fwd: the output, its LSE, the row reference and the quantized operands
     (what backward needs)."""
     out_dtype, op_scale = q.dtype, sm_scale
     if not isinstance(sm_scale, (int, float)):  # a tensor or symbolic scale: fold it in first
         q, op_scale = q.float() * sm_scale, 1.0
     operands = torch.ops.fp4attn.quantize(q, k, v, float(op_scale), fmt)
-    out, lse, row_ref = torch.ops.fp4attn.fwd(*operands, bias, causal, p_mode, out_dtype, diagonal, window)
+    out, lse, row_ref = torch.ops.fp4attn.fwd(*operands, bias, causal, p_mode, out_dtype, diagonal, window,
+                                              q_documents, k_documents)
     return out, lse, row_ref, operands
 
 
@@ -255,7 +305,8 @@ def quantized_forward(q, k, v, bias, sm_scale, causal, fmt, p_mode, diagonal=0, 
 def attention_by_length(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None, scale: float,
     is_causal: bool, fmt: str, p_mode: str, min_keys: int, diagonal: int = 0, window: int = 0,
-    key_padding: torch.Tensor | None = None,
+    key_padding: torch.Tensor | None = None, q_documents: torch.Tensor | None = None,
+    k_documents: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Low precision when the call has at least ``min_keys`` keys, SDPA otherwise: the
     cost model's crossover as a branch at run time, so a dynamic-length graph neither
@@ -265,17 +316,20 @@ def attention_by_length(
     ``attention.empty_row_fill``."""
     if k.shape[-2] >= min_keys:
         k, v, bias = align_keys(k, v, attn_mask, key_padding)
-        out, lse = quantized_forward(q, k, v, bias, scale, is_causal, fmt, p_mode, diagonal, window)[:2]
+        out, lse = quantized_forward(q, k, v, bias, scale, is_causal, fmt, p_mode, diagonal, window, q_documents,
+                                     documents.pad_keys(k_documents, k.shape[-2]))[:2]
         return out, lse == -math.inf
-    out, empty = sdpa_with_structure(q, k, v, attn_mask, scale, is_causal, diagonal, window, key_padding)
+    out, empty = sdpa_with_structure(q, k, v, attn_mask, scale, is_causal, diagonal, window, key_padding, q_documents,
+                                     k_documents)
     return bnhd_like(out), empty
 
 
-def sdpa_with_structure(q, k, v, attn_mask, scale, is_causal, diagonal=0, window=0, key_padding=None):
-    """BF16 SDPA over what ``lowp_attention``'s arguments mean (the causal structure and
-    key padding as a boolean mask): the output and the rows with no visible key, as
-    ``formats.mask_to_log2_bias`` counts them."""
-    if attn_mask is None and key_padding is None and not (diagonal or window):
+def sdpa_with_structure(q, k, v, attn_mask, scale, is_causal, diagonal=0, window=0, key_padding=None,
+                        q_documents=None, k_documents=None):
+    """BF16 SDPA over what ``lowp_attention``'s arguments mean (the causal structure, key
+    padding and documents as a boolean mask): the output and the rows with no visible
+    key, as ``formats.mask_to_log2_bias`` counts them."""
+    if attn_mask is None and key_padding is None and not (diagonal or window) and q_documents is None:
         # SDPA's own causal structure, or none: its is_causal (the flash/cuDNN backends take it)
         out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale,
                                                                enable_gqa=k.shape[1] != q.shape[1])
@@ -283,6 +337,9 @@ def sdpa_with_structure(q, k, v, attn_mask, scale, is_causal, diagonal=0, window
     nq, nk = q.shape[-2], k.shape[-2]
     structure = F.visible(torch.arange(nq, device=q.device)[:, None], torch.arange(nk, device=q.device)[None, :],
                           is_causal, diagonal, window)
+    if q_documents is not None:
+        same = documents.same_document(q_documents, k_documents)
+        structure = same if structure is None else structure & same
     bias = F.mask_to_log2_bias(attn_mask, key_padding)  # what the kernels would read
     keep = structure
     if key_padding is not None:
@@ -304,5 +361,6 @@ def sdpa_with_structure(q, k, v, attn_mask, scale, is_causal, diagonal=0, window
 
 
 @torch.library.register_fake("fp4attn::by_length")
-def _(q, k, v, attn_mask, scale, is_causal, fmt, p_mode, min_keys, diagonal=0, window=0, key_padding=None):
+def _(q, k, v, attn_mask, scale, is_causal, fmt, p_mode, min_keys, diagonal=0, window=0, key_padding=None,
+      q_documents=None, k_documents=None):
     return bnhd_empty(q, q.shape[1], q.shape[2], v.shape[-1], q.dtype), q.new_empty(q.shape[:3], dtype=torch.bool)

@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 
 from .attention import default_p_mode
-from .config import Options
+from .config import HYBRID, Options
 from .formats import HEAD_DIM_STEP, MAX_HEAD_DIM, MIN_HEAD_DIM, supported_head_dim
-from .kernels import has_forward_kernel
+from .kernels import bf16_backward, has_forward_kernel
 from .patterns.common import Site, value
 from .patterns.encoder import fast_path_mask, is_fast_path
 from .patterns.mha import mha_args
@@ -33,7 +33,7 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 @dataclasses.dataclass(frozen=True)
 class Decision:
-    path: str  # "fp8" | "fp4" | "bf16"
+    path: str  # config.PATHS: "fp8" | "fp4" | "fp8+bf16bwd" | "bf16"
     reason: str
     predicted_speedup: float | None = None
     # Dynamic key length: low precision only from this many keys, chosen per call.
@@ -129,6 +129,10 @@ MIN_SPEEDUP = 1.10
 # tune() measures both paths on the real shapes in one process: only its timing spread
 # needs covering.
 MIN_MEASURED_SPEEDUP = 1.03
+# The hybrid path's backward is a BF16 kernel of the class BF16 attention runs: only its
+# forward, about 30 % of a training step's attention, can be mispredicted as the eager
+# forward was (above), so its margin is that of tune()'s timing spread.
+MIN_HYBRID_SPEEDUP = 1.03
 _TABLES = Path(__file__).parent / "tables"
 
 
@@ -179,7 +183,10 @@ class SiteShape:
         head dims have keys of their own."""
         dims = f"d{self.d}" + (f"v{self.dv}" if self.dv and self.dv != self.d else "")
         key = f"{dims}/{'causal' if self.causal else 'full'}/{'train' if self.training else 'fwd'}"
-        return f"{key}/{self.mask.split(' ')[0]}" if self.masked else key
+        mask = self.mask.split(" ")[0]
+        if "documents" in self.mask and "documents" not in mask:  # a window's documents: other work
+            mask += "+documents"
+        return f"{key}/{mask}" if self.masked else key
 
 
 @dataclasses.dataclass(frozen=True)
@@ -360,7 +367,7 @@ def decide(site: Site, options: Options, tuned: dict | None = None) -> Decision:
         return Decision("bf16", reason, unsupported=True)
     for pattern, path in options.overrides:
         if fnmatch.fnmatchcase(site.name, pattern):
-            return Decision(path, f"override {pattern!r} -> {path}")
+            return _override(site, f"override {pattern!r} -> {path}", path)
     if options.policy == "never":
         return Decision("bf16", "policy=never")
     device = value(site.q).device
@@ -371,37 +378,117 @@ def decide(site: Site, options: Options, tuned: dict | None = None) -> Decision:
         return Decision("bf16", "no low-precision kernel for this device")
     shape = site_shape(site)
     keys, queries = site.key_length(), site.query_length()
-    dynamic_keys, dynamic_queries = isinstance(keys, torch.SymInt), isinstance(queries, torch.SymInt)
     key = site_key(site, options.fmt, options.p_mode_for(options.fmt))
-    if tuned and key in tuned and not (dynamic_keys or dynamic_queries):  # measured at this one shape
+    static = not any(isinstance(n, torch.SymInt) for n in (keys, queries))
+    if tuned and key in tuned and static:  # measured at this one shape
         entry = tuned[key]
-        return Decision(entry["path"], f"tuned on this GPU: {entry['speedup']:.2f}x, cosine {entry['cosine']:.4f}",
+        label = "fp8 fwd, bf16 bwd: " if entry["path"] == HYBRID else ""
+        return Decision(entry["path"],
+                        f"tuned on this GPU: {label}{entry['speedup']:.2f}x, cosine {entry['cosine']:.4f}",
                         entry["speedup"])
     gpu = torch.cuda.get_device_name(device)
     model = cost_model(device)
-    decision = cost_model_decision(shape, options.fmt, model, gpu)
+    own = _priced(PricedPath(options.fmt), shape, model, gpu, keys, queries)
+    backend = hybrid_backend(site, shape) if shape.training and options.fmt == "fp8" else None
+    if backend is None:
+        return own
+    hybrid = _priced(PricedPath(HYBRID, backend), shape, model, gpu, keys, queries)
+    if hybrid.low_precision and (not own.low_precision
+                                 or prefers_hybrid(hybrid.predicted_speedup, own.predicted_speedup)):
+        return hybrid
+    if own.low_precision:
+        return own
+    return dataclasses.replace(own, reason=f"{own.reason}; {hybrid.reason}")
+
+
+def prefers_hybrid(hybrid_speedup: float, fp8_speedup: float) -> bool:
+    """Within timing spread of the FP8 backward the hybrid path wins: its gradients are
+    BF16's (0.02 rel-L2 against fp64 where the FP8 backward's are 0.07)."""
+    return hybrid_speedup * MIN_MEASURED_SPEEDUP >= fp8_speedup
+
+
+@dataclasses.dataclass(frozen=True)
+class PricedPath:
+    """A low-precision path as the cost model prices it: the path a site takes, and the
+    BF16 backward the hybrid path's rates were measured with (``kernels.bf16_backward``)."""
+
+    name: str
+    backward: str | None = None
+
+    @property
+    def rates(self) -> str:
+        """The cost table's rows for it: ``fp8``, ``fp4``, ``fp8+bf16bwd:fa4``, ..."""
+        return f"{self.name}:{self.backward}" if self.backward else self.name
+
+    @property
+    def label(self) -> str:
+        return f"fp8 fwd, bf16 bwd ({self.backward})" if self.backward else self.name
+
+    @property
+    def min_speedup(self) -> float:
+        return MIN_HYBRID_SPEEDUP if self.backward else MIN_SPEEDUP
+
+
+def _priced(path: PricedPath, shape: SiteShape, model, gpu: str, keys, queries) -> Decision:
+    """The cost model's verdict on one path; under dynamic shapes a guard or a run-time
+    branch at its crossover."""
+    dynamic_keys, dynamic_queries = isinstance(keys, torch.SymInt), isinstance(queries, torch.SymInt)
+    decision = cost_model_decision(shape, path, model, gpu)
     if decision.predicted_speedup is None or not (dynamic_keys or dynamic_queries):
         return decision
     if not dynamic_keys:
         # Only the queries vary (a fixed cache): guard on their crossover; a later query
         # length on the other side recompiles with the other path.
-        threshold = crossover_length(shape, options.fmt, model, vary="queries")
+        threshold = crossover_length(shape, path, model, vary="queries")
         if threshold is None:
             return decision
-        return _verdict(options.fmt, decision.predicted_speedup, bool(queries >= threshold),
-                        f"; {options.fmt} from {threshold} queries (a size across the crossover recompiles)",
+        return _verdict(path, decision.predicted_speedup, bool(queries >= threshold),
+                        f"; {path.label} from {threshold} queries (a size across the crossover recompiles)",
                         model.label)
-    threshold = crossover_length(shape, options.fmt, model, vary="both" if dynamic_queries else "keys")
+    threshold = crossover_length(shape, path, model, vary="both" if dynamic_queries else "keys")
     if threshold is None:
         return decision
     if not shape.training:
-        return Decision(options.fmt, f"{model.label}: {options.fmt} from {threshold} keys, BF16 below "
+        return Decision(path.name, f"{model.label}: {path.label} from {threshold} keys, BF16 below "
                         f"(branch at run time; {decision.predicted_speedup:.2f}x at {shape.nk} keys)",
                         decision.predicted_speedup, min_keys=threshold)
     # The run-time branch has no autograd, so training guards on the symbolic length: a
     # later size on the other side of the crossover recompiles with the other path.
-    return _verdict(options.fmt, decision.predicted_speedup, bool(keys >= threshold),
-                    f"; {options.fmt} from {threshold} keys (a size across the crossover recompiles)", model.label)
+    return _verdict(path, decision.predicted_speedup, bool(keys >= threshold),
+                    f"; {path.label} from {threshold} keys (a size across the crossover recompiles)", model.label)
+
+
+def hybrid_backend(site: Site, shape: SiteShape) -> str | None:
+    """The BF16 backward the hybrid path would run at this site (``kernels.bf16_backward``),
+    None where none applies its structure exactly (then the path is not offered)."""
+    s = site.structure
+    if s is not None and s.documents is not None:  # no BF16 backward takes document ids
+        return None
+    diagonal, window = (0, 0) if s is None else (s.diagonal[0] if not s.diagonal[1] else None, s.window)
+    if not isinstance(window, int):
+        return None
+    nq, nk = shape.nq, shape.nk
+    if not (isinstance(nq, int) and isinstance(nk, int)):  # symbolic: square calls only
+        if nq is not nk and not (isinstance(diagonal, int) and diagonal == 0):
+            return None
+        nq = nk = 1
+    has_bias = any(isinstance(value(m), torch.Tensor) for m in _mask_nodes(site))
+    return bf16_backward.available(value(site.q).device, shape.d, shape.dv or shape.d, nq, nk, shape.causal,
+                                   diagonal, window, has_bias)
+
+
+def _override(site: Site, reason: str, path: str) -> Decision:
+    """An override's path; the hybrid one only where a BF16 backward applies (at an
+    inference site it is the fp8 path: there is no backward)."""
+    if path != HYBRID:
+        return Decision(path, reason)
+    if not site.training():
+        return Decision("fp8", reason + " (inference: the fp8 path)")
+    shape = site_shape(site)
+    backend = hybrid_backend(site, shape) if shape is not None else None
+    if backend is None:
+        return Decision("bf16", reason + ": no BF16 backward applies this site's structure exactly")
+    return Decision(HYBRID, f"{reason} (bf16 backward: {backend})")
 
 
 def cost_model(device: torch.device) -> "CostTable | AnalyticModel | None":
@@ -409,28 +496,31 @@ def cost_model(device: torch.device) -> "CostTable | AnalyticModel | None":
     return table_for(torch.cuda.get_device_name(device)) or AnalyticModel.of(device)
 
 
-def cost_model_decision(shape: SiteShape, fmt: str, model: "CostTable | AnalyticModel | None", gpu: str) -> Decision:
-    """The cost model's choice for one static shape."""
+def cost_model_decision(shape: SiteShape, path: "PricedPath | str", model: "CostTable | AnalyticModel | None",
+                        gpu: str) -> Decision:
+    """The cost model's choice between ``path`` (a format's name, or a ``PricedPath``) and BF16
+    for one static shape."""
+    path = PricedPath(path) if isinstance(path, str) else path
     if model is None:
         return Decision("bf16", f"no measured cost table for {gpu} and no properties to model it; "
                         "run fp4_inductor.tune() or use policy='always'")
-    speedup = model.speedup(shape, fmt)
+    speedup = model.speedup(shape, path.rates)
     if speedup is None:
-        return Decision("bf16", f"{shape.table_key()} not measured on this GPU ({model.label} has no rate; "
-                        "fp4_inductor.tune() measures it)")
-    return _verdict(fmt, speedup, speedup >= MIN_SPEEDUP, label=model.label)
+        return Decision("bf16", f"{shape.table_key()} not measured on this GPU for {path.label} ({model.label} "
+                        "has no rate; fp4_inductor.tune() measures it)")
+    return _verdict(path, speedup, speedup >= path.min_speedup, label=model.label)
 
 
-def _verdict(fmt: str, speedup: float, wins: bool, note: str = "", label: str = "cost model") -> Decision:
+def _verdict(path: "PricedPath", speedup: float, wins: bool, note: str = "", label: str = "cost model") -> Decision:
     if wins:
-        return Decision(fmt, f"{label}: {speedup:.2f}x over BF16{note}", speedup)
-    return Decision("bf16", f"{label}: {fmt} would be {speedup:.2f}x of BF16{note}", speedup)
+        return Decision(path.name, f"{label}: {path.label} {speedup:.2f}x over BF16{note}", speedup)
+    return Decision("bf16", f"{label}: {path.label} would be {speedup:.2f}x of BF16{note}", speedup)
 
 
 _CROSSOVER_GRID = tuple(2**i for i in range(4, 21))
 
 
-def crossover_length(shape: SiteShape, fmt: str, model: "CostTable | AnalyticModel",
+def crossover_length(shape: SiteShape, path: "PricedPath | str", model: "CostTable | AnalyticModel",
                      vary: str = "both") -> int | None:
     """The smallest length (on a power-of-two grid) from which low precision is predicted
     to win at every longer length; None if never.  ``vary``: which lengths grow, the other
@@ -438,6 +528,7 @@ def crossover_length(shape: SiteShape, fmt: str, model: "CostTable | AnalyticMod
     keys; the length returned is the keys'), ``"keys"`` (decode: a growing cache, fixed
     queries) or ``"queries"`` (a fixed cache, chunked or speculative queries; the length
     returned is the queries')."""
+    path = PricedPath(path) if isinstance(path, str) else path
     threshold = None
     for n in reversed(_CROSSOVER_GRID):
         if vary == "queries":
@@ -445,8 +536,8 @@ def crossover_length(shape: SiteShape, fmt: str, model: "CostTable | AnalyticMod
         else:
             nq = max(1, round(shape.nq * n / shape.nk)) if vary == "both" else shape.nq
             scaled = dataclasses.replace(shape, nk=n, nq=nq)
-        speedup = model.speedup(scaled, fmt)
-        if speedup is None or speedup < MIN_SPEEDUP:
+        speedup = model.speedup(scaled, path.rates)
+        if speedup is None or speedup < path.min_speedup:
             break
         threshold = n
     return threshold

@@ -13,6 +13,7 @@ import math
 
 import torch
 
+from . import documents as D
 from . import formats as F
 
 
@@ -42,9 +43,11 @@ def log2_scores(
     queries: slice = slice(None),
     diagonal: int = 0,
     window: int = 0,
+    documents: tuple | None = None,
 ) -> torch.Tensor:
     """``x = (q8 . k8) * (q_scale * log2e * k_scale) + bias`` for one key range (and
-    query range), -inf where the causal structure hides a key (``formats.visible``).
+    query range), -inf where the causal structure (``formats.visible``) or the documents
+    (``(q_documents, k_documents)``, ``documents.same_document``) hide a key.
     float64: without a bias the exact product, which Direct-P's codes round once (the
     kernels fold the product into their FFMA); its other uses round it to float32 first
     (``x.float()``, the kernels' ``mul.rn``).  With a bias, the float32 FMA."""
@@ -64,6 +67,9 @@ def log2_scores(
     rows = torch.arange(nq, device=x.device)[queries][:, None]
     cols = torch.arange(nk, device=x.device)[keys][None, :]
     keep = F.visible(rows, cols, causal, diagonal, window)
+    if documents is not None:
+        same = D.same_document(*documents, queries, keys)
+        keep = same if keep is None else keep & same
     return x if keep is None else x.masked_fill(~keep, float("-inf"))
 
 
@@ -88,35 +94,54 @@ def attention_forward(
     out_dtype: torch.dtype,
     diagonal: int = 0,
     window: int = 0,
+    q_documents: torch.Tensor | None = None,
+    k_documents: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns O ``[B, H, Nq, Dv]`` in ``out_dtype``, the natural-log LSE ``[B, H, Nq]`` and
     the integer row reference the codes were last built against (the ceiling of each
     row's largest log2 score, float32 ``[B, H, Nq]``), which backward rebuilds P from.
     A row with no visible key (``formats.EMPTY_ROW_LOG2``) gets O = 0, LSE = -inf and
-    reference 0."""
+    reference 0.  With documents, each block of queries walks only the key tiles of its
+    documents (``_key_tiles``); a skipped tile holds no visible key, so it would have
+    changed nothing."""
     b, h, nq, _ = q8.shape
     nk, dv = k8.shape[-2], v8t.shape[-2]
+    documents = None if q_documents is None else (q_documents, k_documents)
     v = _heads(v8t.transpose(-1, -2), h).float()
     m = torch.full((b, h, nq, 1), float("-inf"), device=q8.device)
     l = torch.zeros((b, h, nq, 1), device=q8.device)
     acc = torch.zeros((b, h, nq, dv), device=q8.device)
-    for start in range(0, nk, F.KEY_TILE):
-        keys = slice(start, min(start + F.KEY_TILE, nk))
-        x = log2_scores(q8, k8, q_scale, k_scale, bias, causal, keys, diagonal=diagonal, window=window)
-        m_new = torch.maximum(m, torch.ceil(x.float().amax(dim=-1, keepdim=True)))
-        # Rows with every key so far masked keep reference -inf and contribute nothing.
-        alpha = torch.where(m_new == m, 1.0, torch.exp2(m - m_new))
-        # A row with no visible key yet has P = 0 whatever its reference: 0 instead of -inf
-        # keeps x - m from NaN (-inf - -inf).
-        p = _probability(x, torch.where(m_new == float("-inf"), 0.0, m_new), p_mode)
-        l = l * alpha + p.sum(dim=-1, keepdim=True)
-        acc = acc * alpha + p @ v[..., keys, :]
-        m = m_new
+    for rows, tiles in _key_tiles(nq, nk, documents, F.KEY_TILE if documents is not None else max(nq, 1)):
+        for start in tiles:
+            keys = slice(start, min(start + F.KEY_TILE, nk))
+            x = log2_scores(q8, k8, q_scale, k_scale, bias, causal, keys, rows, diagonal, window, documents)
+            m_old = m[..., rows, :]
+            m_new = torch.maximum(m_old, torch.ceil(x.float().amax(dim=-1, keepdim=True)))
+            # Rows with every key so far masked keep reference -inf and contribute nothing.
+            alpha = torch.where(m_new == m_old, 1.0, torch.exp2(m_old - m_new))
+            # A row with no visible key yet has P = 0 whatever its reference: 0 instead of -inf
+            # keeps x - m from NaN (-inf - -inf).
+            p = _probability(x, torch.where(m_new == float("-inf"), 0.0, m_new), p_mode)
+            l[..., rows, :] = l[..., rows, :] * alpha + p.sum(dim=-1, keepdim=True)
+            acc[..., rows, :] = acc[..., rows, :] * alpha + p @ v[..., keys, :]
+            m[..., rows, :] = m_new
     empty = m < F.EMPTY_ROW_LOG2
     out = torch.where(empty, 0.0, acc * (_heads(v_scale, h)[..., None, None] / l))
     lse = torch.where(empty, float("-inf"), (m + torch.log2(l) - F.p_lift(p_mode)) * F.LN2)
     m = torch.where(empty, 0.0, m)
     return out.to(out_dtype), lse.squeeze(-1), m.squeeze(-1)
+
+
+def _key_tiles(nq: int, nk: int, documents, rows: int):
+    """(query rows, the starts of the key tiles they walk) for each ``rows`` queries:
+    every key tile, or with documents the tiles their documents' keys span in any batch
+    row (``documents.key_ranges``)."""
+    blocks = [slice(i, min(i + rows, nq)) for i in range(0, nq, rows)]
+    if documents is None or not blocks or nk == 0:
+        return [(block, range(0, nk, F.KEY_TILE)) for block in blocks]
+    ranges = D.key_ranges(*documents, F.KEY_TILE, rows)
+    lo, hi = ranges[..., 0].amin(dim=0).tolist(), ranges[..., 1].amax(dim=0).tolist()
+    return [(block, range(lo[i], hi[i], F.KEY_TILE)) for i, block in enumerate(blocks)]
 
 
 def ds_blocks(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
@@ -158,6 +183,8 @@ def attention_backward(
     out_dtype: torch.dtype,
     diagonal: int = 0,
     window: int = 0,
+    q_documents: torch.Tensor | None = None,
+    k_documents: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients w.r.t. the quantized operands' real values: dQ (for Q times the softmax
     scale), dK, dV.  ``do8`` is dO times ``formats.backward_row_factor`` in E5M2,
@@ -165,23 +192,73 @@ def attention_backward(
     ``formats.backward_operands``."""
     h, hkv = q8.shape[1], k8.shape[1]
     nq, nk = q8.shape[-2], k8.shape[-2]
+    documents = None if q_documents is None else (q_documents, k_documents)
     do = do8.float() * do_scale[..., None, None]
     v = _heads(v8t.transpose(-1, -2), h).float() * _heads(v_scale, h)[..., None, None]
     k = _heads(F.dequantize_blockwise(ke, ke_scale), h)
     q = F.dequantize_blockwise(qe, qe_scale)
     r = row_ref.float()
     # Row blocks holding whole dQ and dK scale blocks: memory grows with N, not N**2, and the
-    # blocks stay aligned at 0 as the kernels' are.
+    # blocks stay aligned at 0 as the kernels' are; with documents each block takes the key
+    # tiles of its documents alone (whole dQ scale blocks: those outside hold dS = 0).
     dk_block = F.ds_block_dk(q8.shape[-1])
     step = math.lcm(F.DS_BLOCK_DQ[0], dk_block[0])
-    dq, dk, dv = [], 0.0, 0.0
-    for start in range(0, nq, step):
-        rows = slice(start, min(start + step, nq))
-        x = log2_scores(q8, k8, q_scale, k_scale, bias, causal, slice(0, nk), rows, diagonal, window)
+    dq = torch.zeros(*q8.shape[:-1], ke.shape[-1], device=q8.device)
+    dk = torch.zeros(*q8.shape[:2], nk, q8.shape[-1], device=q8.device)
+    dv = torch.zeros(*q8.shape[:2], nk, v8t.shape[-2], device=q8.device)
+    for rows, tiles in _key_tiles(nq, nk, documents, step):
+        if not tiles:
+            continue
+        keys = slice(tiles[0], min(tiles[-1] + F.KEY_TILE, nk))
+        x = log2_scores(q8, k8, q_scale, k_scale, bias, causal, keys, rows, diagonal, window, documents)
         p = _probability(x, r[..., rows, None], p_mode)
-        ds = p * (do[..., rows, :] @ v.transpose(-1, -2) - delta[..., rows, None])
-        dq.append(quantize_ds_blocks(ds, F.DS_BLOCK_DQ) @ k)
-        dk = dk + quantize_ds_blocks(ds, dk_block).transpose(-1, -2) @ q[..., rows, :]
-        dv = dv + p.transpose(-1, -2) @ do[..., rows, :]
-    dq = torch.cat(dq, dim=-2)
+        ds = p * (do[..., rows, :] @ v[..., keys, :].transpose(-1, -2) - delta[..., rows, None])
+        dq[..., rows, :] = quantize_ds_blocks(ds, F.DS_BLOCK_DQ) @ k[..., keys, :]
+        dk[..., keys, :] += quantize_ds_blocks(ds, dk_block).transpose(-1, -2) @ q[..., rows, :]
+        dv[..., keys, :] += p.transpose(-1, -2) @ do[..., rows, :]
     return dq.to(out_dtype), _group_sum(dk, hkv).to(out_dtype), _group_sum(dv, hkv).to(out_dtype)
+
+
+def bf16_attention_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    bias: torch.Tensor | None,
+    scale: float,
+    causal: bool,
+    diagonal: int = 0,
+    window: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What the hybrid path's BF16 backward kernels (``kernels.bf16_backward``) compute
+    from the forward's O and natural-log LSE: P = exp(scale Q K^T + bias - LSE) in float32
+    from the inputs' values, rounded to their dtype as an operand of dV = P^T dO, and
+    dS = P (dO V^T - rowsum(dO O)) rounded likewise for dQ = scale dS K and
+    dK = scale dS^T Q; float32 accumulation.  ``bias``: float32 log2 units or None.  Rows
+    with no visible key (LSE -inf) get zero gradients."""
+    h, hkv = q.shape[1], k.shape[1]
+    nq, nk = q.shape[-2], k.shape[-2]
+    dtype = q.dtype
+    kf, vf = (_heads(t, h).float() for t in (k, v))
+    qf, do = q.float(), dout.float()
+    delta = (do * out.float()).sum(-1, keepdim=True)
+    lse = torch.where(lse == float("-inf"), float("inf"), lse)[..., None]  # P = 0 on empty rows
+    dq, dk, dv = [], 0.0, 0.0
+    for start in range(0, nq, 1024):  # row blocks: memory grows with N, not N**2
+        rows = slice(start, min(start + 1024, nq))
+        s = (qf[..., rows, :] @ kf.transpose(-1, -2)) * scale
+        if bias is not None:
+            s = s + bias.expand(*q.shape[:2], nq, nk)[..., rows, :] * F.LN2
+        keep = F.visible(torch.arange(nq)[rows, None], torch.arange(nk)[None, :], causal, diagonal, window)
+        if keep is not None:
+            s = s.masked_fill(~keep.to(s.device), float("-inf"))
+        p = torch.exp(s - lse[..., rows, :])
+        ds = p * (do[..., rows, :] @ vf.transpose(-1, -2) - delta[..., rows, :])
+        p, ds = p.to(dtype).float(), ds.to(dtype).float()
+        dv = dv + p.transpose(-1, -2) @ do[..., rows, :]
+        dk = dk + ds.transpose(-1, -2) @ qf[..., rows, :]
+        dq.append(ds @ kf)
+    dq = torch.cat(dq, dim=-2) * scale
+    return dq.to(dtype), (_group_sum(dk, hkv) * scale).to(dtype), _group_sum(dv, hkv).to(dtype)

@@ -24,11 +24,11 @@ from . import __version__, config
 from . import ops
 from .attention import empty_row_fill, lowp_attention
 from .patterns import find_sites, graph_modules, replace_site
-from .policy import MIN_MEASURED_SPEEDUP, decide, gpu_slug, site_key
+from .policy import MIN_MEASURED_SPEEDUP, decide, gpu_slug, hybrid_backend, prefers_hybrid, site_key, site_shape
 
 SCHEMA = 3  # 2: keys name the dtype, an added mask and the P mode; 3: the mask kind and value head dim
-PATHS = ("fp8", "fp4", "bf16")
 _ENTRY_FIELDS = {"path": str, "speedup": float, "cosine": float, "t_low_ms": float, "t_bf16_ms": float}
+_HYBRID_FIELD = "t_hybrid_ms"  # training sites where the hybrid path applies
 
 
 def cache_dir() -> Path:
@@ -53,9 +53,11 @@ def cache_file(gpu: str) -> Path:
 
 
 def _valid_entry(entry) -> bool:
-    if not isinstance(entry, dict) or set(entry) != set(_ENTRY_FIELDS):
+    if not isinstance(entry, dict) or set(entry) - {_HYBRID_FIELD} != set(_ENTRY_FIELDS):
         return False
-    for name, kind in _ENTRY_FIELDS.items():
+    for name, kind in {**_ENTRY_FIELDS, _HYBRID_FIELD: float}.items():
+        if name not in entry:
+            continue
         value = entry[name]
         if kind is float:
             # isinstance first: math.isfinite raises OverflowError on an integer beyond float's range
@@ -64,7 +66,7 @@ def _valid_entry(entry) -> bool:
                 return False
         elif not isinstance(value, kind):
             return False
-    return entry["path"] in PATHS
+    return entry["path"] in config.PATHS and (entry["path"] != config.HYBRID or _HYBRID_FIELD in entry)
 
 
 # A cache holds one entry per attention shape of a model: a few kilobytes.  Anything far
@@ -143,11 +145,12 @@ def _median_ms(fn, rep_ms: int) -> float:
 
 
 def _probe(q, k, v, attn_mask=None, scale=None, is_causal=False, *, fmt, p_mode, key, results, min_cosine, rep_ms,
-           empty_rows="zero", **structure):
+           hybrid=False, empty_rows="zero", **structure):
     """Runs in place of a site while tuning: BF16 SDPA (what the site falls back to) and
-    the low-precision path on the real activations; records time and accuracy, returns
-    the BF16 output so the model runs on unchanged.  ``structure``: the causal structure
-    and key padding ``lowp_attention`` takes."""
+    the low-precision path on the real activations (with ``hybrid``, a training site's
+    hybrid path too: the same forward, so the same output); records times and accuracy,
+    returns the BF16 output so the model runs on unchanged.  ``structure``: the causal
+    structure and key padding ``lowp_attention`` takes."""
     training = q.requires_grad
     q, k, v = (t.detach().requires_grad_(training) for t in (q, k, v))
 
@@ -158,9 +161,9 @@ def _probe(q, k, v, attn_mask=None, scale=None, is_causal=False, *, fmt, p_mode,
             out.backward(torch.ones_like(out))
         return out
 
-    def low():
+    def low(backward="lowp"):
         out = lowp_attention(q, k, v, attn_mask, scale, is_causal, fmt=fmt, p_mode=p_mode, empty_rows=empty_rows,
-                             **structure)
+                             backward=backward, **structure)
         if training:
             out.backward(torch.ones_like(out))
         return out
@@ -169,9 +172,18 @@ def _probe(q, k, v, attn_mask=None, scale=None, is_causal=False, *, fmt, p_mode,
         ref, got = bf16(), low()
         cosine = torch.nn.functional.cosine_similarity(got.double().flatten(), ref.double().flatten(), dim=0).item()
         t_bf16, t_low = _median_ms(bf16, rep_ms), _median_ms(low, rep_ms)
-    speedup = t_bf16 / t_low
-    path = fmt if speedup >= MIN_MEASURED_SPEEDUP and cosine >= min_cosine else "bf16"
-    results[key] = {"path": path, "speedup": speedup, "cosine": cosine, "t_low_ms": t_low, "t_bf16_ms": t_bf16}
+        entry = {"path": fmt, "speedup": t_bf16 / t_low, "cosine": cosine, "t_low_ms": t_low, "t_bf16_ms": t_bf16}
+        if hybrid:
+            entry[_HYBRID_FIELD] = _median_ms(lambda: low("bf16"), rep_ms)
+    fast = entry["speedup"] >= MIN_MEASURED_SPEEDUP
+    hybrid_speedup = t_bf16 / entry[_HYBRID_FIELD] if hybrid else 0.0
+    if cosine < min_cosine:
+        entry["path"] = "bf16"
+    elif hybrid_speedup >= MIN_MEASURED_SPEEDUP and (not fast or prefers_hybrid(hybrid_speedup, entry["speedup"])):
+        entry.update(path=config.HYBRID, speedup=hybrid_speedup)
+    elif not fast:
+        entry["path"] = "bf16"
+    results[key] = entry
     return ref.detach()
 
 
@@ -182,18 +194,35 @@ def run_once(model_or_fn, backend, *args, **kwargs) -> None:
     otherwise count toward Dynamo's recompile limit on the model's ``forward``, past which
     compiled models silently run eagerly.  The reset is process-wide: functions compiled
     before recompile on their next call (CUDA graphs re-record, automatic-dynamic shapes
-    start static again)."""
+    start static again).  FSDP2 modules are resharded after (``_reshard_fsdp``)."""
     torch._dynamo.reset()
     try:
         torch.compile(model_or_fn, backend=backend)(*args, **kwargs)
     finally:
         torch._dynamo.reset()
+        _reshard_fsdp(model_or_fn)
+
+
+def _reshard_fsdp(model_or_fn) -> None:
+    """Reshard the FSDP2 modules of a probed model: FSDP2 keeps the root's parameters
+    unsharded after a forward, for the backward that follows; after a probe's forward
+    alone, the next optimizer step would update the shards and leave the next forward
+    reading the stale unsharded copy (a different loss curve on two CPU ranks,
+    tests/test_parallel.py)."""
+    if not (isinstance(model_or_fn, torch.nn.Module) and torch.distributed.is_available()):
+        return
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model_or_fn.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def tune(model_or_fn, *args, fmt: str | None = None, min_cosine: float | None = None, rep_ms: int = 100,
          **kwargs) -> list[TuneResult]:
     """Time every supported attention site of ``model_or_fn(*args, **kwargs)`` on this GPU
-    in BF16 and in low precision, keep low precision where it is faster and at least
+    in BF16 and in low precision (at training sites the hybrid path too, where a BF16
+    backward applies), keep low precision where it is faster and at least
     ``min_cosine`` accurate (cosine of the site's output vs BF16 on the real activations),
     and store the decisions for later compiles (``policy="auto"``).  Resets Dynamo's
     caches (``run_once``)."""
@@ -202,12 +231,13 @@ def tune(model_or_fn, *args, fmt: str | None = None, min_cosine: float | None = 
     measured: dict = {}
     results: list[TuneResult] = []
 
-    def probe_for(key: str):
+    def probe_for(key: str, hybrid: bool):
         # A closure, not graph arguments: FX copies dict arguments when it builds a node,
         # so results written through one would land in the copy.
         def probe(q, k, v, attn_mask=None, scale=None, is_causal=False, *, fmt, p_mode, **structure):
             return _probe(q, k, v, attn_mask, scale, is_causal, fmt=fmt, p_mode=p_mode, key=key,
-                          results=measured, min_cosine=options.min_cosine, rep_ms=rep_ms, **structure)
+                          results=measured, min_cosine=options.min_cosine, rep_ms=rep_ms, hybrid=hybrid,
+                          **structure)
 
         return probe
 
@@ -220,7 +250,9 @@ def tune(model_or_fn, *args, fmt: str | None = None, min_cosine: float | None = 
                 p_mode = options.p_mode_for(options.fmt)
                 key = site_key(site, options.fmt, p_mode)
                 results.append(TuneResult(key, site.name, {}))
-                replace_site(module.graph, site, options.fmt, p_mode, target=probe_for(key))
+                hybrid = (site.training() and options.fmt == "fp8"
+                          and hybrid_backend(site, site_shape(site)) is not None)
+                replace_site(module.graph, site, options.fmt, p_mode, target=probe_for(key, hybrid))
             module.recompile()
         return gm.forward
 

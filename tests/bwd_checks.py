@@ -53,26 +53,28 @@ def launcher():
 
 def operands(b, h, hkv, nq, nk, d, p_mode, causal, bias_kind=None, dv=None, **structure):
     """Backward operands on the CPU, produced as attention.py produces them.  ``dv``: a
-    value head dim other than ``d``; ``structure``: ``diagonal``/``window``."""
+    value head dim other than ``d``; ``structure``: ``diagonal``/``window`` and
+    ``q_documents``/``k_documents``."""
     quantized, bias = quantized_operands(b, h, hkv, nq, nk, d, p_mode, bias_kind, dv=dv)
     return operands_of(quantized, bias, causal, p_mode, **structure)
 
 
-def operands_of(quantized, bias, causal, p_mode, diagonal=0, window=0):
+def operands_of(quantized, bias, causal, p_mode, diagonal=0, window=0, q_documents=None, k_documents=None):
     """Backward operands from the forward's quantized ones (q8, k8, vt, qs, ks, vs), on
     the CPU, with a random dO."""
     q8, k8, vt, qs, ks, vs = quantized
     b, h, nq, _ = q8.shape
     dout = torch.randn(b, h, nq, vt.shape[-2])
     out, lse, row_ref = R.attention_forward(q8, k8, vt, qs, ks, vs, bias, causal, p_mode, torch.float32,
-                                            diagonal, window)
+                                            diagonal, window, q_documents, k_documents)
     do8, dos = F.quantize_do(dout, lse, row_ref, p_mode)
     delta = (do8.float() * dos[..., None, None] * out).sum(dim=-1)
     qe, qes, ke, kes = F.backward_operands(q8, qs, k8, ks)
     return (do8, dos, delta, q8, k8, vt, qs, ks, vs, qe, qes, ke, kes, bias, row_ref)
 
 
-def run(ops, causal, p_mode, out_dtype=torch.float32, debug=True, device="cuda", diagonal=0, window=0, **hooks):
+def run(ops, causal, p_mode, out_dtype=torch.float32, debug=True, device="cuda", diagonal=0, window=0,
+        q_documents=None, k_documents=None, **hooks):
     """The Triton backward launcher on ``ops`` (moved to ``device``): gradients and the
     debug dumps (P, dP, dS), on the CPU.  ``hooks``: the launcher's ``dq_kernel`` and
     ``dkdv_kernel`` (asked only without ``debug``)."""
@@ -84,7 +86,9 @@ def run(ops, causal, p_mode, out_dtype=torch.float32, debug=True, device="cuda",
     dv = torch.full((b, nk, hkv, dv_dim), float("nan"), dtype=out_dtype, device=device).transpose(1, 2)
     dbg = tuple(torch.full((b, h, nq, nk), float("nan"), device=device) for _ in range(3)) if debug else None
     dev = [None if t is None else t.to(device) for t in ops]
-    launcher()(*dev, causal, p_mode, dq, dk, dv, diagonal=diagonal, window=window, debug=dbg, **hooks)
+    docs = {k: None if t is None else t.to(device) for k, t in (("q_documents", q_documents),
+                                                               ("k_documents", k_documents))}
+    launcher()(*dev, causal, p_mode, dq, dk, dv, diagonal=diagonal, window=window, debug=dbg, **docs, **hooks)
     if device == "cuda":
         torch.cuda.synchronize()
     # Tiles a kernel skips (wholly above the causal diagonal) hold P = dP = dS = 0.
@@ -128,7 +132,7 @@ def _check_ds_codes(ds_kernel, ds_unrounded, noise, block):
     assert differ.sum() <= 5 + 1e-2 * differ.numel(), f"{int(differ.sum())} dS codes on rounding midpoints"
 
 
-def check(ops, causal, p_mode, grads, dumps, diagonal=0, window=0):
+def check(ops, causal, p_mode, grads, dumps, diagonal=0, window=0, q_documents=None, k_documents=None):
     do8, dos, delta, q8, k8, vt, qs, ks, vs, qe, qes, ke, kes, bias, row_ref = ops
     h, hkv = q8.shape[1], k8.shape[1]
     for g in grads:
@@ -136,7 +140,9 @@ def check(ops, causal, p_mode, grads, dumps, diagonal=0, window=0):
     p_k, dp_k, ds_dq = dumps
 
     # 1. P codes
-    x = R.log2_scores(q8, k8, qs, ks, bias, causal, slice(0, k8.shape[-2]), diagonal=diagonal, window=window)
+    documents = None if q_documents is None else (q_documents, k_documents)
+    x = R.log2_scores(q8, k8, qs, ks, bias, causal, slice(0, k8.shape[-2]), diagonal=diagonal, window=window,
+                      documents=documents)
     p_ref = R._probability(x, row_ref[..., None], p_mode)
     flips = p_k != p_ref
     if p_mode == "exp":
@@ -182,7 +188,7 @@ def check(ops, causal, p_mode, grads, dumps, diagonal=0, window=0):
     # 4. the reference itself
     # (dS that is zero up to rounding, e.g. one key, gives gradients made of that noise:
     # the bound adds what the dS noise bound carries into each gradient.)
-    ref = R.attention_backward(*ops, causal, p_mode, torch.float32, diagonal, window)
+    ref = R.attention_backward(*ops, causal, p_mode, torch.float32, diagonal, window, q_documents, k_documents)
     carried = (noise @ kd.abs(), R._group_sum(noise.transpose(-1, -2) @ qd.abs(), hkv), torch.zeros(()))
     for name, got, r, c in zip("dq dk dv".split(), grads, ref, carried):
         err = (got.double() - r.double()).norm().item()

@@ -57,6 +57,12 @@ def grads(fn, inputs, grad_out=None):
     return out.detach(), [t.grad.detach().clone() for t in inputs]
 
 
+def documents_of(lengths) -> torch.Tensor:
+    """Packed-sequence document ids ``[B, N]`` from each batch row's document lengths
+    (each row's summing to N): 0 for the first document's tokens, 1 for the next, ..."""
+    return torch.stack([torch.repeat_interleave(torch.arange(len(row)), torch.tensor(row)) for row in lengths])
+
+
 def quantized_operands(b, h, hkv, nq, nk, d, p_mode, bias_kind=None, scale=1.0, dv=None):
     """Gaussian Q, K, V quantized as attention.py does (on the CPU), the forward op's
     operands ``(q8, k8, v_t, q_scale, k_scale, v_scale)``, and an optional log2 bias:

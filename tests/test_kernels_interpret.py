@@ -39,17 +39,23 @@ CASES = [
     ((1, 1, 1, 65, 130, 192, None), "direct", False, {"dv": 128}),
     ((3, 2, 1, 200, 520, 64, "leftpad"), "direct", True, {"diagonal": 320}),  # whole masked tiles
     ((2, 4, 2, 150, 260, 64, "keyrow"), "exp", False, {}),  # a bias row per (batch, head), GQA
+    # packed documents (``documents`` lengths per batch row): causal, and with key padding
+    ((2, 2, 1, 330, 330, 64, None), "direct", True, {"documents": ((100, 60, 140, 30), (50, 200, 80))}),
+    ((2, 2, 2, 300, 300, 64, "keypad"), "direct", False, {"documents": ((40, 150, 110), (300,))}),
 ]
 
 SCRIPT = """
 import sys, torch
 from bwd_checks import check, operands, run
+from helpers import documents_of
 from fp4_inductor.kernels.triton import attention_bwd, key_bias
 from triton.runtime.interpreter import InterpretedFunction
 assert isinstance(attention_bwd._bwd_dkdv_kernel, InterpretedFunction), "not interpreted"
 torch.manual_seed({seed})
 extra = {extra!r}
 structure = {{k: extra[k] for k in ("diagonal", "window") if k in extra}}
+if "documents" in extra:
+    structure["q_documents"] = structure["k_documents"] = documents_of(extra["documents"])
 ops = operands(*{shape}[:6], {p_mode!r}, {causal}, {shape}[6], dv=extra.get("dv"), **structure)
 # Padded rows with and without the skipping of their wholly masked tiles; the rest as shipped.
 for skip in (False, True) if {shape}[6] in ("leftpad", "rightpad") else (True,):
@@ -70,7 +76,8 @@ def _interpreted(code: str):
 
 def _case_id(case):
     (b, h, hkv, nq, nk, d, bias), p_mode, causal, extra = case
-    more = "".join(f"-{k}{v}" for k, v in extra.items())
+    more = "".join(f"-docs{'+'.join(str(len(r)) for r in v)}" if k == "documents" else f"-{k}{v}"
+                   for k, v in extra.items())
     return f"b{b}h{h}kv{hkv}q{nq}k{nk}d{d}-{bias or 'nobias'}-{p_mode}-{'causal' if causal else 'full'}{more}"
 
 
@@ -88,11 +95,16 @@ FORWARD_CASES = [
     ((1, 2, 1, 100, 300, 160, "dense"), "exp", True, {"window": 37}),
     ((1, 2, 1, 450, 450, 64, None), "exp", True, {"window": 256}),  # rows with no visible key in a tile
     ((1, 1, 1, 100, 300, 192, None), "fp4", False, {"dv": 128}),
+    # packed documents: causal (tiles whole inside a document run unmasked), windowed with
+    # key padding, and ids out of order along the sequence (no tile skipped)
+    ((2, 2, 1, 330, 330, 64, None), "direct", True, {"documents": ((100, 60, 140, 30), (50, 200, 80))}),
+    ((2, 2, 2, 400, 400, 64, "keypad"), "exp", True, {"window": 90, "documents": ((300, 100), (20, 380))}),
+    ((1, 2, 1, 260, 260, 64, None), "direct", False, {"documents": ((100, 160),), "shuffled": True}),
 ]
 
 FORWARD_SCRIPT = """
 import torch
-from helpers import quantized_operands
+from helpers import documents_of, quantized_operands
 from fp4_inductor import reference as R
 from fp4_inductor.kernels.triton import attention_fwd
 from triton.runtime.interpreter import InterpretedFunction
@@ -100,6 +112,11 @@ assert isinstance(attention_fwd._fwd_kernel, InterpretedFunction), "not interpre
 torch.manual_seed({seed})
 (b, h, hkv, nq, nk, d, bias_kind), p_mode, causal, extra = {case!r}
 structure = {{k: extra[k] for k in ("diagonal", "window") if k in extra}}
+if "documents" in extra:
+    ids = documents_of(extra["documents"])
+    if extra.get("shuffled"):
+        ids = ids[:, torch.randperm(ids.shape[1])]
+    structure["q_documents"] = structure["k_documents"] = ids
 ops, bias = quantized_operands(b, h, hkv, nq, nk, d, p_mode, bias_kind, dv=extra.get("dv"))
 dv = ops[2].shape[-2]
 # Allocated as the op does ([B, N, H, Dv] storage), poisoned.

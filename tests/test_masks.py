@@ -102,8 +102,9 @@ def test_hf_training_masks_keep_their_structure_under_checkpointing(padded):
     """Training without a cache: HF builds its mask once, outside the checkpointed layers
     (``masks.lift_mask_structures`` reads it there), and without an ``attention_mask`` it
     also compares packed-sequence ids derived from the positions (all one sequence when
-    the positions are its own ramp).  Both still reach the op as structure; position ids
-    passed in (packed data, perhaps) stay a dense mask.  Loss gradients as eager's."""
+    the positions are its own ramp).  Both still reach the op as structure, and so do
+    position ids passed in (packed data, perhaps: document ids, ``tests/test_packed.py``).
+    Loss gradients as eager's."""
     model = _causal_lm("llama", "sdpa").train()
     model.config.use_cache = False
     model.gradient_checkpointing_enable()
@@ -114,7 +115,7 @@ def test_hf_training_masks_keep_their_structure_under_checkpointing(padded):
     assert [s.mask for s in report.sites] == [want, want], str(report)
     if not padded:
         packed = fp4_inductor.explain(model, **kwargs, position_ids=torch.arange(N).repeat(B, 1), policy="always")
-        assert [s.mask for s in packed.sites] == ["dense", "dense"], str(packed)
+        assert [s.mask for s in packed.sites] == ["causal+documents"] * 2, str(packed)
 
     def step(fn):
         model.zero_grad()

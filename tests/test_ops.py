@@ -138,10 +138,11 @@ def test_ops_are_pt2_compliant_and_have_no_second_derivative():
     for name in ("quantize", "fwd", "bwd", "by_length"):
         assert torch.Tag.pt2_compliant_tag in getattr(torch.ops.fp4attn, name).default.tags, name
     q, k, v = (torch.randn(1, 2, 40, 32, requires_grad=True) for _ in range(3))
-    for dout in (None, torch.randn(1, 2, 40, 32, requires_grad=True)):  # dO a constant, and dO with a graph
-        out = lowp_attention(q, k, v, is_causal=True)
-        with pytest.raises(RuntimeError, match="fp4attn: low-precision attention has no second derivative"):
-            torch.autograd.grad(out, q, torch.ones_like(out) if dout is None else dout, create_graph=True)
+    for backward in ("lowp", "bf16"):  # the FP8 backward, and the hybrid path's BF16 one
+        for dout in (None, torch.randn(1, 2, 40, 32, requires_grad=True)):  # dO a constant, and dO with a graph
+            out = lowp_attention(q, k, v, is_causal=True, backward=backward)
+            with pytest.raises(RuntimeError, match="fp4attn: low-precision attention has no second derivative"):
+                torch.autograd.grad(out, q, torch.ones_like(out) if dout is None else dout, create_graph=True)
     dq, = torch.autograd.grad(lowp_attention(q, k, v, is_causal=True).sum(), q)
     assert dq.isfinite().all() and dq.abs().sum() > 0
 

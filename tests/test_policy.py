@@ -464,6 +464,30 @@ def test_tune_probes_fp4_in_the_p_mode_compiles_give_it(fake_gpu, monkeypatch):
     assert Options(p_mode="exp").p_mode_for("fp4") is None and Options(p_mode="exp").p_mode_for("fp8") == "exp"
 
 
+@pytest.mark.parametrize("timings, want", [
+    ((1.0, 0.95, 0.9), "fp8+bf16bwd"),  # bf16, fp8, hybrid (ms): the hybrid path is the fastest
+    ((1.0, 0.88, 0.9), "fp8+bf16bwd"),  # within timing spread of the FP8 backward: BF16's gradients
+    ((1.0, 0.5, 0.9), "fp8"),
+    ((1.0, 0.99, 0.99), "bf16"),
+])
+def test_tune_times_the_hybrid_path_at_training_sites(fake_gpu, monkeypatch, timings, want):
+    """A training site's probe also times the hybrid path (FP8 forward, BF16 backward), keeps
+    it by the cost model's rule, and the policy takes the tuned path from the cache."""
+    from attention_variants import SdpaCausal
+
+    order = iter(timings)
+    monkeypatch.setattr(tuning, "_gpu_name", lambda: "Test GPU")
+    monkeypatch.setattr(tuning, "_median_ms", lambda fn, rep_ms: (fn(), next(order))[1])
+    module, x = SdpaCausal(), torch.randn(2, 80, 256, requires_grad=True)
+    (result,) = fp4_inductor.tune(module, x)
+    assert result.key.endswith("/train") and result.entry["t_hybrid_ms"] == timings[2], result
+    assert result.entry["path"] == want, result.entry
+    site = _site(b=2, h=4, hkv=4, n=80, d=64, causal=True, training=True)
+    assert policy.site_key(site, "fp8", None) == result.key
+    decision = policy.decide(site, Options(), tuning.load_decisions("Test GPU"))
+    assert decision.path == want and decision.reason.startswith("tuned on this GPU"), decision
+
+
 def test_tune_keeps_bf16_below_the_accuracy_guard(fake_gpu, monkeypatch):
     from attention_variants import SdpaCausal
 

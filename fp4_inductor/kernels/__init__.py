@@ -121,8 +121,12 @@ def _run_gluon(module: str, what: str, launch: str, supports_args: tuple, args: 
         return False
 
 
-def _forward(q, k, v_t, q_scale, k_scale, v_scale, bias, causal, p_mode, out, lse, row_ref, diagonal=0, window=0):
+def _forward(q, k, v_t, q_scale, k_scale, v_scale, bias, causal, p_mode, out, lse, row_ref, diagonal=0, window=0,
+             q_documents=None, k_documents=None):
     args = (q, k, v_t, q_scale, k_scale, v_scale, bias, causal, p_mode, out, lse, row_ref, diagonal, window)
+    if q_documents is not None:  # the Gluon kernels take no documents (not yet measured): Triton
+        _module("triton", "attention_fwd").attention_forward(*args, q_documents, k_documents)
+        return
     if p_mode == "direct" and _gluon_scope(q, v_t, causal, diagonal, window, structures=True) \
             and _gluon_wins(q, k, causal, window) \
             and _run_gluon("attention_fwd", "forward", "attention_forward",
@@ -160,10 +164,10 @@ def _gluon_dkdv(do, do_t, do_scale, delta, q, qe_t, qe_scale, k, v, q_scale, k_s
 
 
 def _backward(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale, qe, qe_scale, ke, ke_scale, bias, row_ref,
-              causal, p_mode, dq, dk, dv, diagonal=0, window=0):
-    gluon = _gluon_scope(q, v_t, causal, diagonal, window, structures=False)
+              causal, p_mode, dq, dk, dv, diagonal=0, window=0, q_documents=None, k_documents=None):
+    gluon = _gluon_scope(q, v_t, causal, diagonal, window, structures=False) and q_documents is None
     _module("triton", "attention_bwd").attention_backward(
         do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale, qe, qe_scale, ke, ke_scale, bias, row_ref, causal,
-        p_mode, dq, dk, dv, diagonal=diagonal, window=window,
+        p_mode, dq, dk, dv, diagonal=diagonal, window=window, q_documents=q_documents, k_documents=k_documents,
         dq_kernel=functools.partial(_gluon_dq, bias=bias, p_mode=p_mode) if gluon else None,
         dkdv_kernel=functools.partial(_gluon_dkdv, bias=bias, p_mode=p_mode) if gluon else None)

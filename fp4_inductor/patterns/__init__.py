@@ -14,14 +14,17 @@ import torch
 import torch.fx as fx
 
 from ..attention import combine_masks, lowp_attention
+from ..config import HYBRID
 from .common import Site, kind, value
 from .masks import erase_dead, lift_mask_structures, materialize
+from .packed import document_kwargs
 from .encoder import is_fast_path, match_fast_path, replace_fast_path
+from .flex import match_flex
 from .mha import match_mha, replace_mha
 from .sdpa import match_sdpa, match_sdpa_backend
 from .softmax import match_softmax
 
-MATCHERS = (match_sdpa, match_sdpa_backend, match_softmax, match_mha, match_fast_path)
+MATCHERS = (match_sdpa, match_sdpa_backend, match_softmax, match_mha, match_fast_path, match_flex)
 
 
 def graph_modules(gm: fx.GraphModule) -> list[fx.GraphModule]:
@@ -51,8 +54,9 @@ def find_sites(graph: fx.Graph) -> list[Site]:
 def reads_causal_mask(site: Site) -> bool:
     """Whether the site's masks are SDPA's own causal structure and nothing else (a dense
     causal mask, as HF models build under tracing): its BF16 path can then be SDPA's
-    ``is_causal`` (``attention.causal_sdpa``) instead of a mask read per score."""
-    return site.kind != "mha" and site.structure is not None and site.mask_kind() == "causal"
+    ``is_causal`` (``attention.causal_sdpa``) instead of a mask read per score.  (A
+    flex_attention site reads no mask tensor: it stays flex.)"""
+    return site.kind not in ("mha", "flex") and site.structure is not None and site.mask_kind() == "causal"
 
 
 def _scale_arg(graph: fx.Graph, scale):
@@ -69,13 +73,15 @@ def _scale_arg(graph: fx.Graph, scale):
     return result
 
 
-def replace_site(graph: fx.Graph, site: Site, fmt: str, p_mode: str | None, target=lowp_attention,
+def replace_site(graph: fx.Graph, site: Site, path: str, p_mode: str | None, target=lowp_attention,
                  min_keys: int | None = None) -> fx.Node:
-    """Call ``target`` (``lowp_attention``'s signature; tuning passes a probe) in place of the site."""
+    """Call ``target`` (``lowp_attention``'s signature; tuning passes a probe) in place of
+    the site, for ``path`` (``config.PATHS``: a format, or the hybrid training path)."""
+    fmt, backward = ("fp8", "bf16") if path == HYBRID else (path, None)
     if site.kind == "mha":
-        if is_fast_path(site.anchor):
+        if is_fast_path(site.anchor):  # inference only: no backward
             return replace_fast_path(graph, site, fmt, p_mode, min_keys)
-        return replace_mha(graph, site, fmt, p_mode, min_keys)
+        return replace_mha(graph, site, fmt, p_mode, min_keys, backward)
     anchor = site.anchor
     keep_masks, drop_masks = tuple(m for m, _ in site.keep_masks), tuple(m for m, _ in site.drop_masks)
     with graph.inserting_before(anchor):
@@ -96,6 +102,8 @@ def replace_site(graph: fx.Graph, site: Site, fmt: str, p_mode: str | None, targ
                   "fmt": fmt, "p_mode": p_mode, **_structure_kwargs(graph, site)}
         if min_keys is not None:
             kwargs["min_keys"] = min_keys
+        if backward is not None:
+            kwargs["backward"] = backward
         new = graph.call_function(target, (site.q, site.k, site.v), kwargs)
         want = value(anchor).dtype
         if value(site.q).dtype != want:
@@ -109,7 +117,8 @@ def replace_site(graph: fx.Graph, site: Site, fmt: str, p_mode: str | None, targ
 
 
 def _structure_kwargs(graph: fx.Graph, site: Site) -> dict:
-    """The causal structure and key padding ``masks.structure_site`` read, as arguments."""
+    """The causal structure, key padding and documents ``masks.structure_site`` read, as
+    arguments."""
     s = site.structure
     if s is None:
         return {"empty_rows": site.empty_rows} if site.empty_rows != "zero" else {}
@@ -121,6 +130,7 @@ def _structure_kwargs(graph: fx.Graph, site: Site) -> dict:
             stop = graph.call_function(operator.add, (start, graph.call_method("size", (site.k, -2))))
             pad = graph.call_function(operator.getitem, (pad, (slice(None), slice(start, stop))))
         kwargs["key_padding"] = pad
+    kwargs.update(document_kwargs(graph, s, site.q, site.k, materialize))
     return kwargs
 
 

@@ -49,6 +49,8 @@ _FUNCTION_KINDS = {
     torch.tensor: "tensor",
     torch.scalar_tensor: "tensor",
 }
+if hasattr(torch.ops.higher_order, "flex_attention"):  # erase_replaced takes a replaced call away
+    _FUNCTION_KINDS[torch.ops.higher_order.flex_attention] = "flex"
 # SDPA's backend ops in aten-level graphs, with where (dropout_p, is_causal, scale,
 # attn_mask) sit among their arguments; only their output (element 0) may be used.
 SDPA_BACKENDS = {
@@ -229,8 +231,9 @@ class Site:
 
     def mask_kind(self) -> str:
         """What masks the site has, as ``explain`` shows them and the cost table keys them:
-        "none", "causal", "causal+offset", "window W", each "+padding" where a key-padding
-        vector joins, or "dense" where a mask tensor is read per score."""
+        "none", "causal", "causal+offset", "window W", each "+documents" where document ids
+        join (packed sequences), "+padding" where a key-padding vector does, or "dense"
+        where a mask tensor is read per score."""
         if self.mask_note is not None:
             return self.mask_note
         s = self.structure
@@ -239,6 +242,8 @@ class Site:
             offset = s is not None and s.diagonal != (0, ())
             parts.append(f"window {s.window}" if s is not None and s.window else
                          "causal+offset" if offset else "causal")
+        if s is not None and s.documents is not None:
+            parts.append("documents")
         if s is not None and s.key_padding is not None:
             parts.append("padding")
         dense = [m for m in self.dense_masks() if m is not None]

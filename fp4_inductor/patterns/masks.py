@@ -20,93 +20,8 @@ import torch
 import torch.fx as fx
 
 from .common import MASK_FILL_MAX, Site, arg, constant_fill, kind, rank, value
-
-# Offsets are affine in graph values: (constant, ((node, coefficient), ...)), so that a
-# cache offset held in a SymInt node (dynamic shapes) cancels where it should.
-_ZERO = (0, ())
-
-
-def _affine(x) -> tuple | None:
-    if isinstance(x, bool):
-        return None
-    if isinstance(x, int):
-        return (x, ())
-    if isinstance(x, fx.Node) and isinstance(value(x), torch.SymInt):
-        return (0, ((x, 1),))
-    return None
-
-
-def _add(a, b, sign=1):
-    terms = dict(a[1])
-    for node, c in b[1]:
-        terms[node] = terms.get(node, 0) + sign * c
-    return (a[0] + sign * b[0], tuple((n, c) for n, c in terms.items() if c))
-
-
-@dataclasses.dataclass(frozen=True)
-class _Index:
-    """An integer tensor equal to its row (dim -2) or column (dim -1) index plus ``offset``,
-    or to its batch index (dim -4)."""
-
-    dim: int
-    offset: tuple = _ZERO
-
-
-@dataclasses.dataclass(frozen=True)
-class _Arange:
-    """A 1-D ``arange(n) + offset`` not yet placed on a dimension."""
-
-    offset: tuple = _ZERO
-
-
-@dataclasses.dataclass(frozen=True)
-class _Const:
-    value: bool
-
-
-@dataclasses.dataclass(frozen=True)
-class _Fill:
-    """An integer tensor with one (affine) value everywhere: what HF's packed-sequence
-    detection computes from default position ids (``(diff(pos) != 1).cumsum(-1)``, all 0)."""
-
-    value: tuple
-
-
-@dataclasses.dataclass(frozen=True)
-class _Not:
-    """The complement of a structure with no simpler form (``~(tril & ~tril(-w))``, which
-    a drop mask undoes)."""
-
-    inner: object
-
-
-@dataclasses.dataclass(frozen=True)
-class _Structure:
-    """A conjunction: ``col - row <= upper`` and ``col - row > lower`` (either may be None)
-    and keys kept by ``keep[b, col + pad_offset]`` for each ``(keep, pad_offset)`` in
-    ``pads``."""
-
-    upper: tuple | None = None
-    lower: tuple | None = None
-    pads: tuple = ()
-
-    def __and__(self, other: "_Structure") -> "_Structure | None":
-        upper = _tighter(self.upper, other.upper, min)
-        lower = _tighter(self.lower, other.lower, max)
-        if upper is False or lower is False:
-            return None
-        return _Structure(upper, lower, self.pads + other.pads)
-
-
-def _tighter(a, b, pick):
-    if a is None or b is None:
-        return a if b is None else b
-    if a == b:
-        return a
-    if a[1] == b[1]:  # same symbolic part: compare the constants
-        return (pick(a[0], b[0]), a[1])
-    return False  # bounds that cannot be compared at compile time
-
+from . import packed
+from .mask_values import ZERO, Arange, Const, Delta, Fill, Ids, Index, Not, Structure, add, affine, tighter
 
 @dataclasses.dataclass
 class MaskStructure:
@@ -114,119 +29,110 @@ class MaskStructure:
     and ``window`` as ints or graph nodes, ``formats.visible``) and a key-padding vector
     (a ``[B, Nk']`` boolean node, sliced by ``pad_offset`` at replacement time), and the
     masks' own nodes (``erase_dead`` takes their producers with them once the site is
-    rewritten)."""
+    rewritten); ``documents``: the (query, key) ``mask_values.Ids`` of a document
+    structure (``packed.py``)."""
 
     causal: bool = False
-    diagonal: tuple = _ZERO
+    diagonal: tuple = ZERO
     window: int = 0
     key_padding: fx.Node | None = None
-    pad_offset: tuple = _ZERO
+    pad_offset: tuple = ZERO
     nodes: tuple = ()
+    documents: tuple | None = None
 
 
 class _Evaluator:
     def __call__(self, node):
         if not isinstance(node, fx.Node):
-            return _Const(bool(node)) if isinstance(node, bool) else None
+            return Const(bool(node)) if isinstance(node, bool) else None
         return self._eval(node)
 
     def _eval(self, node: fx.Node):
         if node.op == "placeholder":  # a mask built outside a checkpointed body (lift_mask_structures)
-            return node.meta.get(_LIFTED)
+            return node.meta.get(LIFTED)
         target, k = node.target, kind(node)
         if node.op == "call_function" and target is torch.arange:
             args = node.args
-            if len(args) == 1 or (len(args) == 2 and _affine(args[0]) == _ZERO):
-                return _Arange()
+            if len(args) == 1 or (len(args) == 2 and affine(args[0]) == ZERO):
+                return Arange()
             return None
         if k in ("cast", "contiguous") or (node.op == "call_method" and target in ("bool", "expand", "clone")):
             # casts and device moves of index or boolean tensors (never a float cast of an index)
             inner = self(node.args[0])
-            if isinstance(inner, (_Index, _Arange)) and node.op == "call_method" and target in ("float", "half", "bfloat16"):
+            if isinstance(inner, (Index, Arange)) and node.op == "call_method" and target in ("float", "half", "bfloat16"):
                 return None
             return inner
         if k == "add" or (node.op == "call_function" and target in (operator.sub, torch.sub)) or \
                 (node.op == "call_method" and target == "sub"):
             a, b = node.args[:2]
             sign = 1 if k == "add" else -1
-            base, off = self(a), _affine(b)
+            base, off = self(a), affine(b)
             if off is None and k == "add":
-                base, off = self(b), _affine(a)
-            if isinstance(base, (_Index, _Arange)) and off is not None:
-                return dataclasses.replace(base, offset=_add(base.offset, off, sign))
-            if isinstance(base, _Fill) and off is not None:
-                return _Fill(_add(base.value, off, sign))
+                base, off = self(b), affine(a)
+            if off is None and k != "add":  # q_idx - kv_idx (flex_attention's windows)
+                other = self(b)
+                if isinstance(base, Index) and isinstance(other, Index) and {base.dim, other.dim} == {-1, -2}:
+                    return Delta(1 if base.dim == -1 else -1, add(base.offset, other.offset, -1))
+            if isinstance(base, (Index, Arange)) and off is not None:
+                return dataclasses.replace(base, offset=add(base.offset, off, sign))
+            if isinstance(base, Fill) and off is not None:
+                return Fill(add(base.value, off, sign))
             return None
         if k == "getitem":
             return self._getitem(node)
         if node.op == "call_method" and target == "unsqueeze":
             inner, dim = self(node.args[0]), node.args[1]  # [N, 1] is the row index, [1, N] the column index
-            if isinstance(inner, _Arange) and dim in (0, 1, -1, -2):
-                return _Index(-2 if dim in (1, -1) else -1, inner.offset)
+            if isinstance(inner, Arange) and dim in (0, 1, -1, -2):
+                return Index(-2 if dim in (1, -1) else -1, inner.offset)
+            if isinstance(inner, Ids) and isinstance(dim, int):
+                return packed.place(inner, rank(node.args[0]), dim)
             return None
-        if node.op == "call_method" and target == "new_ones" and arg_dtype(node) is torch.bool:
-            return _Const(True)
+        if node.op == "call_method" and target in ("new_ones", "new_zeros") and arg_dtype(node) is torch.bool:
+            return Const(target == "new_ones")  # and_masks' and or_masks' start
+        if node.op == "call_function" and target in (operator.or_, torch.logical_or, torch.bitwise_or) or \
+                (node.op == "call_method" and target in ("logical_or", "__or__")):
+            return _disjoin(self(node.args[0]), self(node.args[1]))
         if node.op == "call_function" and target in (operator.invert, torch.logical_not, torch.bitwise_not) or \
                 (node.op == "call_method" and target in ("logical_not", "bitwise_not", "__invert__")):
             inner = self(node.args[0])
-            return _negate(inner) or (_Not(inner) if isinstance(inner, _Structure) else None)
+            return _negate(inner) or (Not(inner) if isinstance(inner, Structure) else None)
         if node.op == "call_function" and target in (operator.and_, torch.logical_and, torch.bitwise_and) or \
                 (node.op == "call_method" and target in ("logical_and", "__and__")):
             return _conjoin(self(node.args[0]), self(node.args[1]))
         if node.op == "call_function" and target in (operator.le, operator.lt, operator.ge, operator.gt,
                                                       torch.le, torch.lt, torch.ge, torch.gt):
             a, b = node.args[:2]
-            return _compare(target, self(a), _affine(b) if _affine(b) is not None else self(b))
+            return _compare(target, self(a), affine(b) if affine(b) is not None else self(b))
         if node.op == "call_function" and target in (torch.tril, torch.triu) or \
                 (node.op == "call_method" and target in ("tril", "triu")):
             return self._triangle(node)
-        return self._packed_sequences(node)
-
-    def _packed_sequences(self, node: fx.Node):
-        """HF's packed-sequence ids, ``(diff(pos, prepend=pos[:, :1] - 1) != 1).cumsum(-1)``,
-        and their comparison ``ids[b, q] == ids[b, kv]``: with positions a ramp (no ids
-        passed in, nothing packed) the ids are all 0 and the comparison always holds."""
-        target, args = node.target, node.args
-        if node.op == "call_function" and target is torch.diff:
-            x, prepend = self(args[0]), arg(node, 3, "prepend")
-            if arg(node, 1, "n", 1) == 1 and arg(node, 2, "dim", -1) == -1 and isinstance(x, _Index) \
-                    and x.dim == -1 and prepend is not None and self(prepend) == _Fill(_add(x.offset, (-1, ()))):
-                return _Fill((1, ()))
-            return None
-        if (node.op == "call_method" and target == "cumsum") or target is torch.cumsum:
-            inner, dim = self(args[0]), arg(node, 1, "dim")
-            return _Fill(_ZERO) if inner == _Const(False) and dim in (-1, 1) else None
-        if node.op == "call_function" and target in (operator.eq, operator.ne, torch.eq, torch.ne) or \
-                (node.op == "call_method" and target in ("eq", "ne", "__eq__", "__ne__")):
-            a, b = self(args[0]), args[1]
-            b = self(b) if isinstance(b, fx.Node) else _Fill(_affine(b)) if _affine(b) is not None else None
-            if isinstance(a, _Fill) and isinstance(b, _Fill) and not a.value[1] and not b.value[1]:
-                same = a.value == b.value
-                return _Const(same if target in (operator.eq, torch.eq, "eq", "__eq__") else not same)
-        return None
+        return packed.evaluate(self, node)
 
     def _getitem(self, node: fx.Node):
         base, index = node.args
         inner = self(base)
-        if isinstance(inner, _Fill):  # any part of a uniform tensor
+        if isinstance(inner, Fill):  # any part of a uniform tensor
             return inner
-        if isinstance(inner, _Index) and inner.dim == -1 and rank(base) == 2 and isinstance(index, tuple) \
+        if isinstance(inner, Index) and inner.dim == -1 and rank(base) == 2 and isinstance(index, tuple) \
                 and len(index) == 2:
             # positions [B, N], a ramp over N: pos[:, :1] is its first value, pos[batch_idx, idx] is idx's
             first, (b, i) = index[1], (self(x) if isinstance(x, fx.Node) else None for x in index)
             if index[0] == slice(None) and isinstance(first, slice) and first.start in (None, 0) and first.stop == 1:
-                return _Fill(inner.offset)
-            if isinstance(b, _Index) and b.dim == -4 and isinstance(i, _Index) and i.dim in (-1, -2):
-                return _Index(i.dim, _add(i.offset, inner.offset))
+                return Fill(inner.offset)
+            if isinstance(b, Index) and b.dim == -4 and isinstance(i, Index) and i.dim in (-1, -2):
+                return Index(i.dim, add(i.offset, inner.offset))
             return None
-        if isinstance(inner, _Arange) and isinstance(index, tuple):
+        ids = packed.getitem(self, node, inner)
+        if ids is not None:
+            return ids
+        if isinstance(inner, Arange) and isinstance(index, tuple):
             # arange placed on one axis of a broadcast: [None, None, :, None] is the row index
             full = [i for i, x in enumerate(index) if x == slice(None)]
             if len(full) == 1 and all(x is None for i, x in enumerate(index) if i != full[0]):
                 pos = full[0] - len(index)
-                return _Index(pos, inner.offset) if pos in (-1, -2, -4) else None
+                return Index(pos, inner.offset) if pos in (-1, -2, -4) else None
             return None
-        if isinstance(inner, (_Structure, _Const)) and isinstance(index, tuple):
+        if isinstance(inner, (Structure, Const)) and isinstance(index, tuple):
             # slicing a mask to its keys (HF eager: mask[:, :, :, :Nk]) keeps it, if from 0
             if all(isinstance(x, slice) and x.start in (None, 0) and x.step in (None, 1) or x is Ellipsis
                    for x in index):
@@ -234,9 +140,9 @@ class _Evaluator:
             return None
         if isinstance(index, tuple) and len(index) == 2 and rank(base) == 2 and value(base).dtype == torch.bool:
             b, col = (self(i) for i in index)  # keep[batch_idx, kv_idx]: key padding
-            if isinstance(b, _Index) and b.dim == -4 and b.offset == _ZERO and isinstance(col, _Index) \
-                    and col.dim == -1:
-                return _Structure(pads=((base, col.offset),))
+            if isinstance(b, Index) and b.dim == -4 and b.offset == ZERO and isinstance(col, Index) \
+                    and col.dim == -1:  # (a flex_attention mask_mod's buffer is the caller's tensor)
+                return Structure(pads=((inner.node if isinstance(inner, packed.Source) else base, col.offset),))
         return None
 
     def _triangle(self, node: fx.Node):
@@ -248,7 +154,7 @@ class _Evaluator:
             return None
         lower = node.target in (torch.tril, "tril")
         # tril(d) keeps col <= row + d; triu(d) keeps col >= row + d, i.e. col - row > d - 1
-        return _Structure(upper=(diag, ())) if lower else _Structure(lower=(diag - 1, ()))
+        return Structure(upper=(diag, ())) if lower else Structure(lower=(diag - 1, ()))
 
 
 def arg_dtype(node: fx.Node):
@@ -256,41 +162,61 @@ def arg_dtype(node: fx.Node):
 
 
 def _conjoin(a, b):
-    if isinstance(a, _Const) and isinstance(b, _Const):
-        return _Const(a.value and b.value)
+    if isinstance(a, Const) and isinstance(b, Const):
+        return Const(a.value and b.value)
     for x, y in ((a, b), (b, a)):
-        if isinstance(x, _Const):
-            return y if x.value and isinstance(y, _Structure) else None
-    if isinstance(a, _Structure) and isinstance(b, _Structure):
+        if isinstance(x, Const):
+            return y if x.value and isinstance(y, Structure) else None
+    if isinstance(a, Structure) and isinstance(b, Structure):
         return a & b
     return None
 
 
+def _disjoin(a, b):
+    """``a | b`` where one side is a constant (or_masks' start); a union of structures is
+    none."""
+    for x, y in ((a, b), (b, a)):
+        if isinstance(x, Const):
+            return x if x.value else y
+    return None
+
+
 def _compare(target, a, b):
-    """``a op b`` with one side the column index and the other the row index, or an index
-    against a constant that holds for every index (BERT's bidirectional ``q_idx >= 0``)."""
+    """``a op b`` with one side the column index and the other the row index (or their
+    difference against a constant: flex_attention's ``q_idx - kv_idx <= w``), position ids
+    at those indices (``packed.compare``), or an index against a constant that holds for
+    every index (BERT's bidirectional ``q_idx >= 0``)."""
     name = {operator.le: "le", torch.le: "le", operator.lt: "lt", torch.lt: "lt",
             operator.ge: "ge", torch.ge: "ge", operator.gt: "gt", torch.gt: "gt"}[target]
-    if isinstance(a, _Index) and isinstance(b, tuple) and not b[1] and not a.offset[1]:
+    return _bound(name, a, b)
+
+
+def _bound(name, a, b):
+    if isinstance(a, Ids) and isinstance(b, Ids):
+        return packed.compare(name, a, b, _bound)
+    if isinstance(a, Delta) and isinstance(b, tuple):  # +-(col - row) + off ? c
+        col, row = Index(-1, a.offset if a.sign == 1 else b), Index(-2, b if a.sign == 1 else a.offset)
+        return _bound(name, col, row) if a.sign == 1 else _bound(name, row, col)
+    if isinstance(a, Index) and isinstance(b, tuple) and not b[1] and not a.offset[1]:
         least = b[0] - a.offset[0]  # index >= least (ge) or > least (gt) for every index >= 0
-        return _Const(True) if (name == "ge" and least <= 0) or (name == "gt" and least < 0) else None
-    if not (isinstance(a, _Index) and isinstance(b, _Index)) or {a.dim, b.dim} != {-1, -2}:
+        return Const(True) if (name == "ge" and least <= 0) or (name == "gt" and least < 0) else None
+    if not (isinstance(a, Index) and isinstance(b, Index)) or {a.dim, b.dim} != {-1, -2}:
         return None
     if a.dim == -2:  # write it as col ? row + d
         a, b = b, a
         name = {"le": "ge", "lt": "gt", "ge": "le", "gt": "lt"}[name]
-    d = _add(b.offset, a.offset, -1)  # col + ca ? row + cb  <=>  col - row ? cb - ca
+    d = add(b.offset, a.offset, -1)  # col + ca ? row + cb  <=>  col - row ? cb - ca
     if name == "le":
-        return _Structure(upper=d)
+        return Structure(upper=d)
     if name == "lt":
-        return _Structure(upper=_add(d, (-1, ())))
+        return Structure(upper=add(d, (-1, ())))
     if name == "gt":
-        return _Structure(lower=d)
-    return _Structure(lower=_add(d, (-1, ())))
+        return Structure(lower=d)
+    return Structure(lower=add(d, (-1, ())))
 
 
 # Placeholder meta: what a boolean mask passed into a checkpointed body computes.
-_LIFTED = "fp4attn_mask_structure"
+LIFTED = "fp4attn_mask_structure"
 
 
 def lift_mask_structures(gm: fx.GraphModule) -> None:
@@ -298,22 +224,28 @@ def lift_mask_structures(gm: fx.GraphModule) -> None:
     bodies, and passes it to each ``tag_activation_checkpoint`` call, where the body's
     site sees a placeholder.  Tag each such placeholder with the structure its boolean
     operand computes (bounds known at compile time), the key-padding vector it gathers
-    from passed in as one more operand: the body's site then reads the mask as if it were
-    built there.  Bodies called from more than one place are left alone."""
+    and the document ids it compares passed in as more operands: the body's site then
+    reads the mask as if it were built there.  Bodies called from more than one place are
+    left alone."""
     for call, body, placeholders in _checkpoint_calls(gm):
         for placeholder, operand in zip(placeholders, call.args[1:]):
             mask = value(operand)
             if not (isinstance(mask, torch.Tensor) and mask.dtype == torch.bool and mask.dim() >= 2):
                 continue
             found = _Evaluator()(operand)
-            if isinstance(found, _Structure):
+            if isinstance(found, Structure):
+                found = packed.resolve(found, tighter)
+            if isinstance(found, Structure):
+                ids = [i for pair in found.documents for i in pair]
                 if len(found.pads) > 1 or any(b is not None and b[1] for b in (found.upper, found.lower)) or \
-                        any(offset[1] for _, offset in found.pads):
+                        any(offset[1] for _, offset in found.pads) or any(i.offset[1] for i in ids):
                     continue  # symbolic bounds: their nodes live outside the body
-                found = dataclasses.replace(found, pads=tuple((_pass_in(call, body, pad), offset)
-                                                              for pad, offset in found.pads))
-            if isinstance(found, (_Structure, _Const)):
-                placeholder.meta[_LIFTED] = found
+                found = dataclasses.replace(
+                    found, pads=tuple((_pass_in(call, body, pad), offset) for pad, offset in found.pads),
+                    documents=tuple(tuple(dataclasses.replace(i, source=_pass_in(call, body, i.source), positions=None)
+                                          for i in pair) for pair in found.documents))
+            if isinstance(found, (Structure, Const)):
+                placeholder.meta[LIFTED] = found
 
 
 def drop_unread_masks(gm: fx.GraphModule) -> None:
@@ -321,7 +253,7 @@ def drop_unread_masks(gm: fx.GraphModule) -> None:
     (nor built, where nothing else reads it): checkpointing would keep it alive, an
     ``N x N`` tensor, from the forward to the recomputation."""
     for call, body, placeholders in _checkpoint_calls(gm):
-        unread = [i for i, p in enumerate(placeholders) if _LIFTED in p.meta and not p.users]
+        unread = [i for i, p in enumerate(placeholders) if LIFTED in p.meta and not p.users]
         if not unread:
             continue
         dropped = [call.args[1 + i] for i in unread]
@@ -365,39 +297,44 @@ def mask_structure(node, keep: bool = True) -> MaskStructure | None:
     """The structure of a boolean mask node (True keeps, or with ``keep=False`` True
     drops), None where it is not recognised whole.  Recognised: conjunctions of causal
     bounds (``tril``/``triu`` of ones, index comparisons with any offsets, a sliding
-    window) and key padding gathered by (batch, key)."""
+    window), key padding gathered by (batch, key) and one document structure
+    (``packed.py``)."""
     ev = _Evaluator()
     found = ev(node)
     if not keep:
         found = _negate(found)
-    if isinstance(found, _Const):
+    if isinstance(found, Const):
         return MaskStructure(nodes=(node,)) if found.value else None
-    if not isinstance(found, _Structure) or len(found.pads) > 1:
+    if isinstance(found, Structure):
+        found = packed.resolve(found, tighter)
+    if not isinstance(found, Structure) or len(found.pads) > 1:
         return None
     if found.lower is not None and found.upper is None:
         return None  # keys only bounded below: not a causal structure
     window = 0
     if found.lower is not None:
-        span = _add(found.upper, found.lower, -1)
+        span = add(found.upper, found.lower, -1)
         if span[1] or span[0] <= 0:
             return None
         window = span[0]
-    pad, pad_offset = found.pads[0] if found.pads else (None, _ZERO)
-    return MaskStructure(causal=found.upper is not None, diagonal=found.upper or _ZERO, window=window,
-                         key_padding=pad, pad_offset=pad_offset, nodes=(node,))
+    pad, pad_offset = found.pads[0] if found.pads else (None, ZERO)
+    return MaskStructure(causal=found.upper is not None, diagonal=found.upper or ZERO, window=window,
+                         key_padding=pad, pad_offset=pad_offset, nodes=(node,),
+                         documents=found.documents[0] if found.documents else None)
 
 
 def _negate(found):
     """The complement of a single bound (a drop mask such as ``triu(ones, 1)``) or of a
     complement."""
-    if isinstance(found, _Not):
+    if isinstance(found, Not):
         return found.inner
-    if isinstance(found, _Const):
-        return _Const(not found.value)
-    if isinstance(found, _Structure) and not found.pads and (found.upper is None) != (found.lower is None):
+    if isinstance(found, Const):
+        return Const(not found.value)
+    if isinstance(found, Structure) and not (found.pads or found.documents or found.positions) and \
+            (found.upper is None) != (found.lower is None):
         if found.upper is not None:  # not (col - row <= u)  ==  col - row > u
-            return _Structure(lower=found.upper)
-        return _Structure(upper=found.lower)  # not (col - row > l)  ==  col - row <= l
+            return Structure(lower=found.upper)
+        return Structure(upper=found.lower)  # not (col - row > l)  ==  col - row <= l
     return None
 
 
@@ -417,11 +354,12 @@ def materialize(graph: fx.Graph, offset: tuple):
 # producers left without users are erased (never an op with effects, such as a cache update).
 _PURE_METHODS = {"to", "bool", "expand", "contiguous", "clone", "new_ones", "unsqueeze", "tril", "triu",
                  "float", "half", "bfloat16", "sub", "add", "__and__", "logical_and", "logical_not", "bitwise_not",
-                 "__invert__"}
+                 "__invert__", "new_zeros", "__or__", "logical_or", "eq", "ne", "__eq__", "__ne__", "cumsum"}
 _PURE_FUNCTIONS = {torch.arange, torch.ones, torch.zeros, torch.tril, torch.triu, torch.where, operator.getitem, operator.add,
                    operator.sub, operator.and_, operator.le, operator.lt, operator.ge, operator.gt, torch.le, torch.lt,
                    torch.ge, torch.gt, torch.logical_and, torch.bitwise_and, torch.sub, torch.add, operator.invert,
-                   torch.logical_not, torch.bitwise_not}
+                   torch.logical_not, torch.bitwise_not, operator.or_, torch.logical_or, torch.bitwise_or, operator.eq,
+                   operator.ne, torch.eq, torch.ne, torch.diff, torch.cumsum}
 
 
 def erase_dead(nodes) -> None:
@@ -519,13 +457,16 @@ def structure_site(site: Site) -> None:
 def _combine(parts: list, causal: bool) -> MaskStructure | None:
     bounded = [p for p in parts if p.causal]
     padded = [p for p in parts if p.key_padding is not None]
-    if len(bounded) + causal > 1 or len(padded) > 1:
+    packs = [p for p in parts if p.documents is not None]
+    if len(bounded) + causal > 1 or len(padded) > 1 or len(packs) > 1:
         return None
     out = MaskStructure(nodes=tuple(n for p in parts for n in p.nodes))
     if bounded:
         out = dataclasses.replace(out, causal=True, diagonal=bounded[0].diagonal, window=bounded[0].window)
     if padded:
         out = dataclasses.replace(out, key_padding=padded[0].key_padding, pad_offset=padded[0].pad_offset)
+    if packs:
+        out = dataclasses.replace(out, documents=packs[0].documents)
     return out
 
 

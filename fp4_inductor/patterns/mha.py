@@ -59,7 +59,7 @@ def match_mha(node: fx.Node) -> Site | None:
 
 def mha_lowp(query, key, value, num_heads, in_proj_weight, in_proj_bias, out_proj_weight, out_proj_bias,
              key_padding_mask, attn_mask, is_causal, q_proj_weight, k_proj_weight, v_proj_weight, *, fmt, p_mode,
-             min_keys=None, empty_rows="zero"):
+             min_keys=None, empty_rows="zero", backward="lowp"):
     """``F.multi_head_attention_forward`` with ``need_weights=False`` on sequence-first
     ``[L, N, E]`` inputs, or one unbatched ``[L, E]`` sequence, attention in low precision."""
     unbatched = query.dim() == 2
@@ -82,7 +82,8 @@ def mha_lowp(query, key, value, num_heads, in_proj_weight, in_proj_bias, out_pro
     else:
         is_causal = False
     out = lowp_attention(q, k, v, attn_mask=_sdpa_mask(attn_mask, key_padding_mask, batch, num_heads),
-                         is_causal=is_causal, fmt=fmt, p_mode=p_mode, min_keys=min_keys, empty_rows=empty_rows)
+                         is_causal=is_causal, fmt=fmt, p_mode=p_mode, min_keys=min_keys, empty_rows=empty_rows,
+                         backward=backward)
     out = F.linear(out.permute(2, 0, 1, 3).reshape(length, batch, embed), out_proj_weight, out_proj_bias)
     return (out.squeeze(1) if unbatched else out), None
 
@@ -101,7 +102,8 @@ def _sdpa_mask(attn_mask, key_padding_mask, batch: int, heads: int):
     return combine_masks(None, additive, (), tuple(m for m in masks if m.dtype == torch.bool))
 
 
-def replace_mha(graph: fx.Graph, site: Site, fmt: str, p_mode: str | None, min_keys: int | None = None) -> fx.Node:
+def replace_mha(graph: fx.Graph, site: Site, fmt: str, p_mode: str | None, min_keys: int | None = None,
+                backward: str | None = None) -> fx.Node:
     a = mha_args(site.anchor)
     args = (a["query"], a["key"], a["value"], a["num_heads"], a["in_proj_weight"], a["in_proj_bias"],
             a["out_proj_weight"], a["out_proj_bias"], a["key_padding_mask"], a["attn_mask"], a["is_causal"],
@@ -112,6 +114,8 @@ def replace_mha(graph: fx.Graph, site: Site, fmt: str, p_mode: str | None, min_k
         kwargs = {"fmt": fmt, "p_mode": p_mode, "empty_rows": site.empty_rows}
         if min_keys is not None:
             kwargs["min_keys"] = min_keys
+        if backward is not None:
+            kwargs["backward"] = backward
         new = graph.call_function(mha_lowp, args, kwargs)
     new.meta.update(site.anchor.meta)
     site.anchor.replace_all_uses_with(new)

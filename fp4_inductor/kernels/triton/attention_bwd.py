@@ -56,7 +56,7 @@ import triton
 import triton.language as tl
 
 from ... import formats as F
-from . import key_bias
+from . import documents, key_bias
 from .common import e2m1_round, e4m3_code_value, e4m3_round, max_propagate_nan, mul_rn
 
 _P_MODE_ID = {"direct": 0, "exp": 1, "fp4": 2}
@@ -119,16 +119,17 @@ def _probability_t(x, x_scale, r, P_MODE: tl.constexpr, EMULATE: tl.constexpr,
 
 
 @triton.jit
-def _tile(k, v, q, do, row_t, r, delta, k_scale, dov_scale, bias, offs_m, offs_n, NQ, NK, DIAGONAL, WINDOW,
-          P_MODE: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, BIAS_MODE: tl.constexpr,
-          EMULATE: tl.constexpr,
+def _tile(k, v, q, do, row_t, r, delta, k_scale, dov_scale, bias, q_doc, k_doc, offs_m, offs_n, NQ, NK, DIAGONAL,
+          WINDOW, P_MODE: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, BIAS_MODE: tl.constexpr,
+          DOCUMENTS: tl.constexpr, EMULATE: tl.constexpr,
           MIXED_F16: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, PER_KEY: tl.constexpr):
     """One transposed tile: P^T and dS^T codes [keys, queries] and the dS scales, one per
     key ([keys], PER_KEY: the dK product's) or one per query ([queries]: the dQ product's).
 
     k, v: [keys, D] INT8 / E4M3; q, do: [queries, D] INT8 / E5M2; row_t = q_scale * log2e,
     r (the forward's integer row reference), delta: [queries]; dov_scale = do_scale * v_scale;
-    bias: [keys] float32 (BIAS_MODE 1, a key-row bias) or the tile's pointers (2, dense)."""
+    bias: [keys] float32 (BIAS_MODE 1, a key-row bias) or the tile's pointers (2, dense);
+    q_doc [queries], k_doc [keys]: document ids (DOCUMENTS)."""
     s = tl.dot(k, tl.trans(q), out_dtype=tl.int32)
     s = (s + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0  # exact: |s| < 2**22
     t = row_t * k_scale  # rounded as the reference's row * col
@@ -149,6 +150,8 @@ def _tile(k, v, q, do, row_t, r, delta, k_scale, dov_scale, bias, offs_m, offs_n
         ok = ok & (offs_n[:, None] <= offs_m[None, :] + DIAGONAL)
         if WINDOWED:
             ok = ok & (offs_n[:, None] > offs_m[None, :] + (DIAGONAL - WINDOW))
+    if DOCUMENTS:
+        ok = ok & (k_doc[:, None] == q_doc[None, :])
     x = tl.where(ok, x, float("-inf"))
     p = _probability_t(x, x_scale, r, P_MODE, EMULATE, BLOCK_N, BLOCK_M)
 
@@ -180,7 +183,7 @@ _NO_SPECIALIZE = ["stride_dsb", "stride_dsh", "stride_dlb", "stride_dlh", "strid
                   "stride_vsb", "stride_vsh", "stride_qesb", "stride_qesh", "stride_qesm",
                   "stride_kesb", "stride_kesh", "stride_kesn", "stride_rb", "stride_rh", "stride_rm",
                   "stride_bb", "stride_bh", "stride_bm", "stride_bn", "H", "HKV", "GROUP", "NQ", "NK",
-                  "DIAGONAL", "WINDOW", "range_b", "range_h"]
+                  "DIAGONAL", "WINDOW", "range_b", "range_h", "stride_qdb", "stride_kdb", "stride_drb"]
 
 
 @triton.jit
@@ -222,7 +225,8 @@ def _store_rows(X, b, h, offs, n_ok, stride_b, stride_h, stride_n, stride_d, val
 
 @triton.jit(do_not_specialize=_NO_SPECIALIZE)
 def _bwd_dkdv_kernel(
-    DO, DOT, DOS, DELTA, Q, K, V, QS, KS, VS, QET, QES, BIAS, RANGES, ROW_REF, DK, DV, DBG_P, DBG_DP,
+    DO, DOT, DOS, DELTA, Q, K, V, QS, KS, VS, QET, QES, BIAS, RANGES, QDOC, KDOC, DOC_RANGES, ROW_REF, DK, DV, DBG_P,
+    DBG_DP,
     stride_dob, stride_doh, stride_dom, stride_dod,
     stride_dtb, stride_dth, stride_dtd, stride_dtm,
     stride_dsb, stride_dsh,
@@ -239,11 +243,12 @@ def _bwd_dkdv_kernel(
     stride_rb, stride_rh, stride_rm,
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
-    range_b, range_h, H, HKV, GROUP, NQ, NK, DIAGONAL, WINDOW,
+    range_b, range_h, stride_qdb, stride_kdb, stride_drb, H, HKV, GROUP, NQ, NK, DIAGONAL, WINDOW,
     D_QK: tl.constexpr, D_V: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     P_MODE: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, BIAS_MODE: tl.constexpr,
-    EMULATE: tl.constexpr, DEBUG: tl.constexpr, SKIP_MASKED: tl.constexpr, MIXED_F16: tl.constexpr = False,
+    EMULATE: tl.constexpr, DEBUG: tl.constexpr, SKIP_MASKED: tl.constexpr, DOCUMENTS: tl.constexpr,
+    MIXED_F16: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)  # causal: low key tiles see the most queries and go first
     bhk = tl.program_id(1)
@@ -272,6 +277,10 @@ def _bwd_dkdv_kernel(
         lo = (tl.maximum(start_n - DIAGONAL, 0) // BLOCK_M) * BLOCK_M
         if WINDOWED:
             hi = tl.minimum(NQ, tl.maximum(start_n + BLOCK_N - 1 - DIAGONAL + WINDOW, 0))
+    k_doc = n_ok  # unread without documents
+    if DOCUMENTS:  # query tiles outside this key tile's documents hold P = 0
+        k_doc = tl.load(KDOC + b * stride_kdb + offs_n, mask=n_ok, other=-1)
+        lo, hi = documents.query_range(DOC_RANGES + b * stride_drb + pid_n * 2, lo, hi, BLOCK_M)
     for g in range(0, GROUP):
         h = hk * GROUP + g
         do_scale = tl.load(DOS + b * stride_dsb + h * stride_dsh)
@@ -297,9 +306,12 @@ def _bwd_dkdv_kernel(
                 tile_bias = bias + offs_m[None, :] * stride_bm + offs_n[:, None] * stride_bn
             if EMULATE:
                 do = do.to(tl.float32)
-            p, ds, ds_scale, dp = _tile(k, v, q, do, row_t, r, delta, k_scale, dov_scale, tile_bias, offs_m, offs_n,
-                                        NQ, NK, DIAGONAL, WINDOW, P_MODE, CAUSAL, WINDOWED, BIAS_MODE, EMULATE,
-                                        MIXED_F16, BLOCK_N, BLOCK_M, True)
+            q_doc = m_ok
+            if DOCUMENTS:
+                q_doc = tl.load(QDOC + b * stride_qdb + offs_m, mask=m_ok, other=-1)
+            p, ds, ds_scale, dp = _tile(k, v, q, do, row_t, r, delta, k_scale, dov_scale, tile_bias, q_doc, k_doc,
+                                        offs_m, offs_n, NQ, NK, DIAGONAL, WINDOW, P_MODE, CAUSAL, WINDOWED, BIAS_MODE,
+                                        DOCUMENTS, EMULATE, MIXED_F16, BLOCK_N, BLOCK_M, True)
 
             do_t = _columns(DOT, b, h, offs_m, m_ok, stride_dtb, stride_dth, stride_dtd, stride_dtm, D_V, HEAD_DIM_V)
             qe_t = _columns(QET, b, h, offs_m, m_ok, stride_qtb, stride_qth, stride_qtd, stride_qtm, D_QK, HEAD_DIM)
@@ -324,7 +336,7 @@ def _bwd_dkdv_kernel(
 
 @triton.jit(do_not_specialize=_NO_SPECIALIZE)
 def _bwd_dq_kernel(
-    DO, DOS, DELTA, Q, K, V, QS, KS, VS, KET, KES, BIAS, RANGES, ROW_REF, DQ, DBG_DS,
+    DO, DOS, DELTA, Q, K, V, QS, KS, VS, KET, KES, BIAS, RANGES, QDOC, KDOC, DOC_RANGES, ROW_REF, DQ, DBG_DS,
     stride_dob, stride_doh, stride_dom, stride_dod,
     stride_dsb, stride_dsh,
     stride_dlb, stride_dlh, stride_dlm,
@@ -339,11 +351,12 @@ def _bwd_dq_kernel(
     stride_bb, stride_bh, stride_bm, stride_bn,
     stride_rb, stride_rh, stride_rm,
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
-    range_b, range_h, H, HKV, GROUP, NQ, NK, DIAGONAL, WINDOW,
+    range_b, range_h, stride_qdb, stride_kdb, stride_drb, H, HKV, GROUP, NQ, NK, DIAGONAL, WINDOW,
     D_QK: tl.constexpr, D_V: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     P_MODE: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, BIAS_MODE: tl.constexpr,
-    EMULATE: tl.constexpr, DEBUG: tl.constexpr, SKIP_MASKED: tl.constexpr, MIXED_F16: tl.constexpr = False,
+    EMULATE: tl.constexpr, DEBUG: tl.constexpr, SKIP_MASKED: tl.constexpr, DOCUMENTS: tl.constexpr,
+    MIXED_F16: tl.constexpr = False,
 ):
     # Causal: the last query tiles walk the most key tiles; launch them first.
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0) if CAUSAL else tl.program_id(0)
@@ -377,6 +390,11 @@ def _bwd_dq_kernel(
             lo = (tl.maximum(start_m + 1 + DIAGONAL - WINDOW, 0) // BLOCK_N) * BLOCK_N
     if SKIP_MASKED:  # the key tiles a key-row bias masks wholly hold dS = 0
         lo, hi = key_bias.kept_keys(RANGES + (b * range_b + h * range_h) * 4, lo, hi, BLOCK_N)
+    q_doc = m_ok  # unread without documents
+    if DOCUMENTS:  # and so do those outside these queries' documents
+        q_doc = tl.load(QDOC + b * stride_qdb + offs_m, mask=m_ok, other=-1)
+        lo, _, _, hi = documents.key_range(DOC_RANGES + b * stride_drb, start_m, tl.cdiv(NQ, documents.RANGE_ROWS),
+                                           lo, lo, lo, hi, NK, BLOCK_M)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_nb
         n_ok = offs_n < NK
@@ -390,9 +408,12 @@ def _bwd_dq_kernel(
             bias = tl.load(bias + offs_n * stride_bn, mask=n_ok, other=0.0)
         elif BIAS_MODE == 2:
             bias = bias + offs_m[None, :] * stride_bm + offs_n[:, None] * stride_bn
-        p, ds, ds_scale, dp = _tile(k, v, q, do, row_t, r, delta, k_scale, dov_scale, bias, offs_m, offs_n,
-                                    NQ, NK, DIAGONAL, WINDOW, P_MODE, CAUSAL, WINDOWED, BIAS_MODE, EMULATE,
-                                    MIXED_F16, BLOCK_N, BLOCK_M, False)
+        k_doc = n_ok
+        if DOCUMENTS:
+            k_doc = tl.load(KDOC + b * stride_kdb + offs_n, mask=n_ok, other=-1)
+        p, ds, ds_scale, dp = _tile(k, v, q, do, row_t, r, delta, k_scale, dov_scale, bias, q_doc, k_doc, offs_m,
+                                    offs_n, NQ, NK, DIAGONAL, WINDOW, P_MODE, CAUSAL, WINDOWED, BIAS_MODE, DOCUMENTS,
+                                    EMULATE, MIXED_F16, BLOCK_N, BLOCK_M, False)
         ke_t = _columns(KET, b, hk, offs_n, n_ok, stride_ktb, stride_kth, stride_ktd, stride_ktn, D_QK, HEAD_DIM)
         if EMULATE:
             ke_t = ke_t.to(tl.float32)
@@ -490,11 +511,13 @@ def _token_major_empty(x: torch.Tensor) -> torch.Tensor:
 
 
 def attention_backward(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale, qe, qe_scale, ke, ke_scale,
-                       bias, row_ref, causal, p_mode, dq, dk, dv, diagonal=0, window=0, config=None, debug=None,
-                       emulate=None, options=None, dq_kernel=None, dkdv_kernel=None):
+                       bias, row_ref, causal, p_mode, dq, dk, dv, diagonal=0, window=0, q_documents=None,
+                       k_documents=None, config=None, debug=None, emulate=None, options=None, dq_kernel=None,
+                       dkdv_kernel=None):
     """Launch both backward kernels into the preallocated ``dq`` [B, H, Nq, D], ``dk``
     [B, Hkv, Nk, D] and ``dv`` [B, Hkv, Nk, Dv] (any strides).  Arguments as
-    ``reference.attention_backward``.
+    ``reference.attention_backward`` (``q_documents`` and ``k_documents`` the document
+    structure: the hooks are not asked with them).
     ``dq_kernel(do, do_scale, delta, q, k, v, q_scale, k_scale, v_scale, ke_t, ke_scale,
     row_ref, causal, dq, key_rows)`` (``v`` row-major, ``ke_t`` token-major, ``key_rows``
     the call's ``key_bias.KeyRows`` or None) computes dQ in place of the Triton dQ kernel
@@ -546,24 +569,27 @@ def attention_backward(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale
     consts = dict(D_QK=d, D_V=dv_dim, HEAD_DIM=F.kernel_head_dim(d), HEAD_DIM_V=F.kernel_head_dim(dv_dim),
                   BLOCK_N=BLOCK_N, P_MODE=_P_MODE_ID[p_mode], CAUSAL=bool(causal),
                   WINDOWED=bool(causal and window), BIAS_MODE=bias_mode, EMULATE=emulate, DEBUG=debug is not None,
-                  SKIP_MASKED=skip is not None, **OPTIONS)
+                  SKIP_MASKED=skip is not None, DOCUMENTS=q_documents is not None, **OPTIONS)
     structure = (diagonal if causal else 0, window if causal else 0)
     consts.update(options or {})
     cfg = dict(CONFIG, **(config or {}))
     common_tail = (*bias_strides, *row_ref.stride())
 
-    hooks = debug is None and not emulate
+    hooks = debug is None and not emulate and q_documents is None
+    key_docs = documents.launch_args(q_documents, k_documents, BLOCK_N, row_ref)
+    query_docs = documents.launch_args(q_documents, k_documents, BLOCK_N, row_ref, query_ranges=True)
     if not (hooks and dkdv_kernel is not None
             and dkdv_kernel(do, do_t, do_scale, delta, q, qe_t, qe_scale, k, v, q_scale, k_scale, v_scale, row_ref,
                             causal, dk, dv, key_rows)):
         warps, stages = cfg["dkdv"]
         _bwd_dkdv_kernel[(triton.cdiv(nk, BLOCK_N), b * hkv)](
-            do, do_t, do_scale, delta, q, k, v, q_scale, k_scale, v_scale, qe_t, qe_scale, bias_arg, ranges, row_ref,
-            dk, dv, dbg[0], dbg[1],
+            do, do_t, do_scale, delta, q, k, v, q_scale, k_scale, v_scale, qe_t, qe_scale, bias_arg, ranges,
+            *query_docs[:3], row_ref, dk, dv, dbg[0], dbg[1],
             *do.stride(), *do_t.stride(), *do_scale.stride(), *delta.stride(), *q.stride(), *k.stride(), *v.stride(),
             *q_scale.stride(), *k_scale.stride(), *v_scale.stride(), *qe_t.stride(), *qe_scale.stride(),
             *common_tail, *dk.stride(), *dv.stride(),
-            range_b, range_h, h, hkv, h // hkv, nq, nk, *structure, BLOCK_M=F.ds_block_dk(d)[0], **consts,
+            range_b, range_h, *query_docs[3:], h, hkv, h // hkv, nq, nk, *structure, BLOCK_M=F.ds_block_dk(d)[0],
+            **consts,
             num_warps=warps, num_stages=stages,
         )
 
@@ -572,10 +598,12 @@ def attention_backward(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale
         return
     warps, stages = cfg["dq"]
     _bwd_dq_kernel[(triton.cdiv(nq, BLOCK_M_DQ), b * h)](
-        do, do_scale, delta, q, k, v, q_scale, k_scale, v_scale, ke_t, ke_scale, bias_arg, ranges, row_ref, dq, dbg[2],
+        do, do_scale, delta, q, k, v, q_scale, k_scale, v_scale, ke_t, ke_scale, bias_arg, ranges, *key_docs[:3],
+        row_ref, dq, dbg[2],
         *do.stride(), *do_scale.stride(), *delta.stride(), *q.stride(), *k.stride(), *v.stride(),
         *q_scale.stride(), *k_scale.stride(), *v_scale.stride(), *ke_t.stride(), *ke_scale.stride(),
         *common_tail, *dq.stride(),
-        range_b, range_h, h, hkv, h // hkv, nq, nk, *structure, BLOCK_M=BLOCK_M_DQ, **consts, num_warps=warps,
+        range_b, range_h, *key_docs[3:], h, hkv, h // hkv, nq, nk, *structure, BLOCK_M=BLOCK_M_DQ, **consts,
+        num_warps=warps,
         num_stages=stages,
     )

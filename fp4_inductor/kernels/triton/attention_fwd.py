@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from ... import formats as F
-from . import key_bias
+from . import documents, key_bias
 from .common import e2m1_round, e4m3_code_value, e4m3_round, max_propagate_nan, mul_rn
 
 _P_MODE_ID = {"direct": 0, "exp": 1, "fp4": 2}
@@ -187,13 +187,14 @@ def _unpermute_p(p, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _update(
-    acc, l_i, m_i, s, v, start_n, row_t, ks_ptr, b_ptrs, offs_m, offs_key, NK, DIAGONAL, WINDOW, stride_bn,
-    P_MODE: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, BIAS_MODE: tl.constexpr,
-    MASKED: tl.constexpr, PERM_P: tl.constexpr, PV_SPLIT: tl.constexpr, CVT_I2F: tl.constexpr,
+    acc, l_i, m_i, s, v, start_n, row_t, ks_ptr, b_ptrs, q_doc, kd_ptr, offs_m, offs_key, NK, DIAGONAL, WINDOW,
+    stride_bn, P_MODE: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, BIAS_MODE: tl.constexpr,
+    DOCUMENTS: tl.constexpr, MASKED: tl.constexpr, PERM_P: tl.constexpr, PV_SPLIT: tl.constexpr, CVT_I2F: tl.constexpr,
     EMULATE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Online-softmax update with one key tile: int32 scores ``s`` [BLOCK_M, BLOCK_N] in
-    key order ``offs_key``, V^T tile ``v``."""
+    key order ``offs_key``, V^T tile ``v``; ``q_doc`` the rows' document ids and ``kd_ptr``
+    the keys' (DOCUMENTS)."""
     if CVT_I2F:
         s = s.to(tl.float32)  # exact (|s| < 2**21); one I2FP, fewer instructions than the magic add
     else:
@@ -207,6 +208,9 @@ def _update(
             ok = ok & (keys <= offs_m[:, None] + DIAGONAL)
             if WINDOWED:
                 ok = ok & (keys > offs_m[:, None] + (DIAGONAL - WINDOW))
+        if DOCUMENTS:
+            k_doc = tl.load(kd_ptr + start_n + offs_key, mask=key_ok, other=-1)
+            ok = ok & (k_doc[None, :] == q_doc[:, None])
     if P_MODE == 0 and BIAS_MODE == 0:
         # Direct-P without a bias never forms x = s t: its FFMA takes the product
         # unrounded (reference.log2_scores), and the row maximum of x is the rounded
@@ -260,10 +264,10 @@ def _update(
 
 @triton.jit
 def _attend(
-    acc, l_i, m_i, q, row_t, K, VT, k_ptrs, v_ptrs, b_ptrs, ks_ptr, b, hk,
+    acc, l_i, m_i, q, row_t, K, VT, k_ptrs, v_ptrs, b_ptrs, ks_ptr, q_doc, kd_ptr, b, hk,
     offs_m, offs_key, offs_d, offs_dv, start, stop, NK, DIAGONAL, WINDOW, stride_kn, stride_vn, stride_bn,
     P_MODE: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, BIAS_MODE: tl.constexpr,
-    MASKED: tl.constexpr, USE_TMA: tl.constexpr, PERM_P: tl.constexpr, PV_SPLIT: tl.constexpr,
+    DOCUMENTS: tl.constexpr, MASKED: tl.constexpr, USE_TMA: tl.constexpr, PERM_P: tl.constexpr, PV_SPLIT: tl.constexpr,
     CVT_I2F: tl.constexpr, EMULATE: tl.constexpr, D_QK: tl.constexpr, D_V: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -275,9 +279,9 @@ def _attend(
         v = _load_v(VT, v_ptrs, b, hk, start_n, offs_dv, NK, stride_vn, USE_TMA, MASKED, D_V, HEAD_DIM_V,
                     BLOCK_N)
         s = tl.dot(q, k, out_dtype=tl.int32)
-        acc, l_i, m_i = _update(acc, l_i, m_i, s, v, start_n, row_t, ks_ptr, b_ptrs, offs_m, offs_key,
-                                NK, DIAGONAL, WINDOW, stride_bn, P_MODE, CAUSAL, WINDOWED, BIAS_MODE, MASKED,
-                                PERM_P, PV_SPLIT, CVT_I2F, EMULATE, BLOCK_M, BLOCK_N)
+        acc, l_i, m_i = _update(acc, l_i, m_i, s, v, start_n, row_t, ks_ptr, b_ptrs, q_doc, kd_ptr, offs_m, offs_key,
+                                NK, DIAGONAL, WINDOW, stride_bn, P_MODE, CAUSAL, WINDOWED, BIAS_MODE, DOCUMENTS,
+                                MASKED, PERM_P, PV_SPLIT, CVT_I2F, EMULATE, BLOCK_M, BLOCK_N)
     return acc, l_i, m_i
 
 
@@ -308,12 +312,13 @@ def _tile_range(m0, NK, DIAGONAL, WINDOW, CAUSAL: tl.constexpr, WINDOWED: tl.con
 # on their divisibility would only multiply compiled variants.
 _NO_SPECIALIZE = ["stride_vb", "stride_vh", "stride_vd", "stride_qsb", "stride_qsh", "stride_ksb", "stride_ksh",
                   "stride_vsb", "stride_vsh", "stride_bb", "stride_bh", "stride_bm", "stride_lb", "stride_lh",
-                  "range_b", "range_h", "H", "GROUP", "NQ", "NK", "N_BUCKET", "DIAGONAL", "WINDOW"]
+                  "range_b", "range_h", "H", "GROUP", "NQ", "NK", "N_BUCKET", "DIAGONAL", "WINDOW", "stride_qdb",
+                  "stride_kdb", "stride_drb"]
 
 
 @triton.jit(do_not_specialize=_NO_SPECIALIZE)
 def _fwd_kernel(
-    Q, K, VT, QS, KS, VS, BIAS, RANGES, OUT, LSE, ROW_REF,
+    Q, K, VT, QS, KS, VS, BIAS, RANGES, QDOC, KDOC, DOC_RANGES, OUT, LSE, ROW_REF,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vd, stride_vn,
@@ -322,13 +327,14 @@ def _fwd_kernel(
     stride_vsb, stride_vsh,
     stride_bb, stride_bh, stride_bm, stride_bn,
     stride_ob, stride_oh, stride_om, stride_od,
-    stride_lb, stride_lh, stride_lm, range_b, range_h,
+    stride_lb, stride_lh, stride_lm, range_b, range_h, stride_qdb, stride_kdb, stride_drb,
     H, GROUP, NQ, NK, N_BUCKET, DIAGONAL, WINDOW,
     D_QK: tl.constexpr, D_V: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     P_MODE: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, BIAS_MODE: tl.constexpr,
     USE_TMA: tl.constexpr, PERM_P: tl.constexpr, PV_SPLIT: tl.constexpr, CVT_I2F: tl.constexpr,
     EMULATE: tl.constexpr, LIFT: tl.constexpr, EMPTY_ROW: tl.constexpr, SKIP_MASKED: tl.constexpr,
+    DOCUMENTS: tl.constexpr = False,
 ):
     # Causal: the last query tiles carry the most key tiles; launch them first.
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0) if CAUSAL else tl.program_id(0)
@@ -381,17 +387,27 @@ def _fwd_kernel(
         lo, hi = key_bias.kept_keys(RANGES + (b * range_b + h * range_h) * 4, lo, hi, BLOCK_N)
         full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
         full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
-    acc, l_i, m_i = _attend(acc, l_i, m_i, q, row_t, K, VT, k_ptrs, v_ptrs, b_ptrs, ks_ptr, b, hk,
+    q_doc = row_ok  # unread without documents
+    kd_ptr = KDOC
+    if DOCUMENTS:
+        # Key tiles outside the rows' documents hold no visible key either: skipped; the
+        # tiles whole inside their one document run unmasked.
+        q_doc = tl.load(QDOC + b * stride_qdb + offs_m, mask=row_ok, other=-1)
+        kd_ptr = KDOC + b * stride_kdb
+        lo, full_lo, full_hi, hi = documents.key_range(DOC_RANGES + b * stride_drb, pid_m * BLOCK_M,
+                                                       tl.cdiv(NQ, documents.RANGE_ROWS), lo, full_lo, full_hi,
+                                                       hi, NK, BLOCK_M)
+    acc, l_i, m_i = _attend(acc, l_i, m_i, q, row_t, K, VT, k_ptrs, v_ptrs, b_ptrs, ks_ptr, q_doc, kd_ptr, b, hk,
                             offs_m, offs_key, offs_d, offs_dv, lo, full_lo, NK, DIAGONAL, WINDOW, stride_kn,
-                            stride_vn, stride_bn, P_MODE, CAUSAL, WINDOWED, BIAS_MODE, True, USE_TMA, PERM_P,
+                            stride_vn, stride_bn, P_MODE, CAUSAL, WINDOWED, BIAS_MODE, DOCUMENTS, True, USE_TMA, PERM_P,
                             PV_SPLIT, CVT_I2F, EMULATE, D_QK, D_V, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N)
-    acc, l_i, m_i = _attend(acc, l_i, m_i, q, row_t, K, VT, k_ptrs, v_ptrs, b_ptrs, ks_ptr, b, hk,
+    acc, l_i, m_i = _attend(acc, l_i, m_i, q, row_t, K, VT, k_ptrs, v_ptrs, b_ptrs, ks_ptr, q_doc, kd_ptr, b, hk,
                             offs_m, offs_key, offs_d, offs_dv, full_lo, full_hi, NK, DIAGONAL, WINDOW, stride_kn,
-                            stride_vn, stride_bn, P_MODE, CAUSAL, WINDOWED, BIAS_MODE, False, USE_TMA, PERM_P,
-                            PV_SPLIT, CVT_I2F, EMULATE, D_QK, D_V, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N)
-    acc, l_i, m_i = _attend(acc, l_i, m_i, q, row_t, K, VT, k_ptrs, v_ptrs, b_ptrs, ks_ptr, b, hk,
+                            stride_vn, stride_bn, P_MODE, CAUSAL, WINDOWED, BIAS_MODE, DOCUMENTS, False, USE_TMA,
+                            PERM_P, PV_SPLIT, CVT_I2F, EMULATE, D_QK, D_V, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N)
+    acc, l_i, m_i = _attend(acc, l_i, m_i, q, row_t, K, VT, k_ptrs, v_ptrs, b_ptrs, ks_ptr, q_doc, kd_ptr, b, hk,
                             offs_m, offs_key, offs_d, offs_dv, full_hi, hi, NK, DIAGONAL, WINDOW, stride_kn,
-                            stride_vn, stride_bn, P_MODE, CAUSAL, WINDOWED, BIAS_MODE, True, USE_TMA, PERM_P,
+                            stride_vn, stride_bn, P_MODE, CAUSAL, WINDOWED, BIAS_MODE, DOCUMENTS, True, USE_TMA, PERM_P,
                             PV_SPLIT, CVT_I2F, EMULATE, D_QK, D_V, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N)
 
     # A row that saw no visible key (formats.EMPTY_ROW_LOG2): O = 0, LSE = -inf, reference 0.
@@ -444,7 +460,7 @@ def _n_bucket(n: int) -> int:
 _tuned = triton.autotune(
     configs=[triton.Config({"BLOCK_M": bm}, num_warps=w, num_stages=s, maxnreg=r) for bm, w, s, r in CONFIGS],
     key=["N_BUCKET", "D_QK", "D_V", "P_MODE", "CAUSAL", "WINDOWED", "BIAS_MODE", "USE_TMA", "PERM_P", "PV_SPLIT",
-         "CVT_I2F", "SKIP_MASKED"],
+         "CVT_I2F", "SKIP_MASKED", "DOCUMENTS"],
 )(_fwd_kernel)
 
 
@@ -484,10 +500,12 @@ def _emulate() -> bool:
 
 
 def attention_forward(q, k, v_t, q_scale, k_scale, v_scale, bias, causal, p_mode, out, lse, row_ref,
-                      diagonal=0, window=0, config=None, use_tma=None, perm_p=None, options=None):
+                      diagonal=0, window=0, q_documents=None, k_documents=None, config=None, use_tma=None,
+                      perm_p=None, options=None):
     """Launch the forward kernel into the preallocated ``out`` [B, H, Nq, Dv] (any strides)
     and ``lse``, ``row_ref`` [B, H, Nq] float32 with equal strides.  ``diagonal`` and
-    ``window`` refine ``causal`` (``formats.visible``).  ``config`` = (BLOCK_M, num_warps,
+    ``window`` refine ``causal`` (``formats.visible``); ``q_documents`` [B, Nq] and
+    ``k_documents`` [B, Nk] are the document structure (``documents.py``).  ``config`` = (BLOCK_M, num_warps,
     num_stages, maxnreg) overrides the default (benchmarks use it);
     ``FP4ATTN_AUTOTUNE=1`` autotunes.  ``use_tma=False`` forces the pointer path (tests
     use it to cover both)."""
@@ -521,6 +539,7 @@ def attention_forward(q, k, v_t, q_scale, k_scale, v_scale, bias, causal, p_mode
         bias_mode = 1 if bias_strides[2] == 0 or nq == 1 else 2
         skip = key_bias.skip_ranges(key_bias.KeyRows.of(bias_arg, b, h, nq, nk), BLOCK_N)  # mode 1 only
     ranges, range_b, range_h = skip or (lse, 0, 0)  # lse: never read without skipping
+    q_doc, k_doc, doc_ranges, *doc_strides = documents.launch_args(q_documents, k_documents, BLOCK_N, lse)
 
     emulate = _emulate()
     head_dim, head_dim_v = F.kernel_head_dim(d), F.kernel_head_dim(dv)
@@ -532,16 +551,18 @@ def attention_forward(q, k, v_t, q_scale, k_scale, v_scale, bias, causal, p_mode
         v_desc = _descriptor(v_t, (1, 1, dv, BLOCK_N))
     tma = k_desc is not None and v_desc is not None
     args = (
-        q, k_desc if tma else k, v_desc if tma else v_t, q_scale, k_scale, v_scale, bias_arg, ranges, out, lse, row_ref,
+        q, k_desc if tma else k, v_desc if tma else v_t, q_scale, k_scale, v_scale, bias_arg, ranges, q_doc, k_doc,
+        doc_ranges, out, lse, row_ref,
         *q.stride(), *k.stride(), *v_t.stride(),
         *q_scale.stride(), *k_scale.stride(), *v_scale.stride(),
-        *bias_strides, *out.stride(), *lse.stride(), range_b, range_h,
+        *bias_strides, *out.stride(), *lse.stride(), range_b, range_h, *doc_strides,
         h, h // hkv, nq, nk, _n_bucket(max(nq, nk)), diagonal if causal else 0, window if causal else 0,
     )
     meta = dict(D_QK=d, D_V=dv, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_N=BLOCK_N,
                 P_MODE=_P_MODE_ID[p_mode], CAUSAL=bool(causal), WINDOWED=bool(causal and window),
                 BIAS_MODE=bias_mode, USE_TMA=tma, PERM_P=perm, EMULATE=emulate, LIFT=F.p_lift(p_mode),
-                EMPTY_ROW=F.EMPTY_ROW_LOG2, SKIP_MASKED=skip is not None, **OPTIONS)
+                EMPTY_ROW=F.EMPTY_ROW_LOG2, SKIP_MASKED=skip is not None, DOCUMENTS=q_documents is not None,
+                **OPTIONS)
     meta.update(options or {})
     if config is None and _autotune_enabled():
         grid = lambda META: (triton.cdiv(nq, META["BLOCK_M"]), b * h)  # noqa: E731
