@@ -143,26 +143,27 @@ def assert_within_reference_error(got, exact, lowp, k: float, what: str = "outpu
 
 
 def _faulty_forward(fault, forward):
-    def fwd(q8, k8, v8t, q_scale, k_scale, v_scale, bias, causal, p_mode, out_dtype, diagonal=0, window=0):
+    def fwd(q8, k8, v8t, q_scale, k_scale, v_scale, bias, causal, p_mode, out_dtype, diagonal=0, window=0,
+            q_documents=None, k_documents=None):
         if fault == "half_scale":
             q_scale = q_scale * 0.5
         elif fault == "mask_ignored":
-            bias, causal, diagonal, window = None, False, 0, 0
+            bias, causal, diagonal, window, q_documents, k_documents = None, False, 0, 0, None, None
         out, lse, row_ref = forward(q8, k8, v8t, q_scale, k_scale, v_scale, bias, causal, p_mode, out_dtype,
-                                    diagonal, window)
+                                    diagonal, window, q_documents, k_documents)
         return (torch.zeros_like(out) if fault == "zero_output" else out), lse, row_ref
     return fwd
 
 
 def _faulty_backward(fault, backward):
     def bwd(do8, do_scale, delta, q8, k8, v8t, q_scale, k_scale, v_scale, qe, qe_scale, ke, ke_scale, bias, row_ref,
-            causal, p_mode, out_dtype, diagonal=0, window=0):
+            causal, p_mode, out_dtype, diagonal=0, window=0, q_documents=None, k_documents=None):
         if fault == "half_scale":  # the scores and dQ's factor, as the faulty forward's
             q_scale, qe_scale, ke_scale = q_scale * 0.5, qe_scale * 0.5, ke_scale * 0.5
         elif fault == "mask_ignored":
-            bias, causal, diagonal, window = None, False, 0, 0
+            bias, causal, diagonal, window, q_documents, k_documents = None, False, 0, 0, None, None
         grads = backward(do8, do_scale, delta, q8, k8, v8t, q_scale, k_scale, v_scale, qe, qe_scale, ke, ke_scale,
-                         bias, row_ref, causal, p_mode, out_dtype, diagonal, window)
+                         bias, row_ref, causal, p_mode, out_dtype, diagonal, window, q_documents, k_documents)
         return tuple(torch.zeros_like(g) for g in grads) if fault == "zero_output" else grads
     return bwd
 
