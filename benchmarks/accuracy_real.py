@@ -47,7 +47,7 @@ def capture_sites(model, batch) -> list[dict]:
 
     def backend(gm, example_inputs):
         for site in find_sites(gm.graph):
-            replace_site(gm.graph, site, "fp8", None, target=probe)
+            replace_site(gm.graph, site, "fp8", None, attention=probe)
         gm.recompile()
         return gm.forward
 

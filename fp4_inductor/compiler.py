@@ -59,7 +59,7 @@ class AttentionRewritePass:
                 replace_site(graph, site, decision.path, self.options.p_mode_for(decision.path),
                              min_keys=decision.min_keys)
             elif self.options.policy != "never" and not decision.unsupported and reads_causal_mask(site):
-                replace_site(graph, site, "bf16", None, target=causal_sdpa)
+                replace_site(graph, site, "bf16", None, attention=causal_sdpa)
                 decision = dataclasses.replace(decision, reason=decision.reason + "; causal mask run as is_causal")
             self.records.append(_record(site, decision))
 

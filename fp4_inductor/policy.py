@@ -25,8 +25,6 @@ from .config import HYBRID, Options
 from .formats import HEAD_DIM_STEP, MAX_HEAD_DIM, MIN_HEAD_DIM, supported_head_dim
 from .kernels import bf16_backward, has_forward_kernel
 from .patterns.common import Site, value
-from .patterns.encoder import fast_path_mask, is_fast_path
-from .patterns.mha import mha_args
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -95,20 +93,8 @@ def _mask_grad_reason(site: Site) -> str | None:
     return None
 
 
-def _mask_nodes(site: Site, dense: bool = False) -> list:
-    """The site's masks (None where absent); with ``dense``, only those read per score
-    (not the key-padding vector its structure holds)."""
-    if site.kind == "mha":  # its masks stay arguments of the call (MHA's own conventions)
-        if is_fast_path(site.anchor):
-            return [fast_path_mask(site.anchor)]
-        args = mha_args(site.anchor)
-        return [args["attn_mask"], args["key_padding_mask"]]
-    pad = site.structure.key_padding if site.structure is not None and not dense else None
-    return [pad, *site.dense_masks()]
-
-
 def _mask_values(site: Site, dense: bool = False) -> list[torch.Tensor]:
-    nodes = _mask_nodes(site, dense)
+    nodes = site.mask_nodes(dense)
     if isinstance(site.scale, tuple) and not dense:
         nodes += [f for f, _ in site.scale]
     return [t for t in (value(n) for n in nodes) if isinstance(t, torch.Tensor)]
@@ -472,7 +458,7 @@ def hybrid_backend(site: Site, shape: SiteShape) -> str | None:
         if nq is not nk and not (isinstance(diagonal, int) and diagonal == 0):
             return None
         nq = nk = 1
-    has_bias = any(isinstance(value(m), torch.Tensor) for m in _mask_nodes(site))
+    has_bias = any(isinstance(value(m), torch.Tensor) for m in site.mask_nodes())
     return bf16_backward.available(value(site.q).device, shape.d, shape.dv or shape.d, nq, nk, shape.causal,
                                    diagonal, window, has_bias)
 

@@ -244,15 +244,14 @@ def tune(model_or_fn, *args, fmt: str | None = None, min_cosine: float | None = 
     def probing_backend(gm, example_inputs):
         for module in graph_modules(gm):
             for site in find_sites(module.graph):
-                # nn.MultiheadAttention sites keep their projections inside the call: no probe yet.
-                if site.kind == "mha" or not decide(site, options).low_precision:
+                if not decide(site, options).low_precision:
                     continue
                 p_mode = options.p_mode_for(options.fmt)
                 key = site_key(site, options.fmt, p_mode)
                 results.append(TuneResult(key, site.name, {}))
                 hybrid = (site.training() and options.fmt == "fp8"
                           and hybrid_backend(site, site_shape(site)) is not None)
-                replace_site(module.graph, site, options.fmt, p_mode, target=probe_for(key, hybrid))
+                replace_site(module.graph, site, options.fmt, p_mode, attention=probe_for(key, hybrid))
             module.recompile()
         return gm.forward
 

@@ -433,6 +433,29 @@ def test_tune_records_each_site_on_real_activations(fake_gpu, monkeypatch):
     assert tuning.load_decisions("Test GPU") == {result.key: result.entry}
 
 
+@pytest.mark.parametrize("train", [False, True], ids=["fast-path", "mha"])
+def test_tune_probes_sites_inside_multihead_attention(fake_gpu, monkeypatch, train):
+    """The attention inside ``nn.MultiheadAttention``'s call (in training) and inside
+    PyTorch's fused encoder layer (in eval under no_grad) is probed as any site's: the
+    run-time function hands its attention to the probe."""
+    timings = iter([1.0, 0.5, 0.6])
+    monkeypatch.setattr(tuning, "_gpu_name", lambda: "Test GPU")
+    monkeypatch.setattr(tuning, "_median_ms", lambda fn, rep_ms: (fn(), next(timings))[1])
+    if train:
+        module = torch.nn.MultiheadAttention(128, 2, batch_first=True)
+        attend = lambda x: module(x, x, x, need_weights=False)[0]  # noqa: E731
+    else:  # in eval under no_grad the encoder layer is one fused call
+        attend = torch.nn.TransformerEncoderLayer(128, 2, 256, batch_first=True, dropout=0.0).eval()
+    x = torch.randn(2, 96, 128)
+    with torch.set_grad_enabled(train):
+        (site,) = fp4_inductor.explain(attend, x, policy="always").sites
+        (result,) = fp4_inductor.tune(attend, x)
+    assert site.kind == ("mha" if train else "fast-path")
+    assert result.key == f"fp8/direct/float32/b2/h2/kv2/q96/k96/d64/none/{'train' if train else 'fwd'}"
+    assert result.entry["t_bf16_ms"] == 1.0 and result.entry["t_low_ms"] == 0.5
+    assert 0.99 < result.entry["cosine"] < 1.0  # measured on the site's activations
+
+
 def test_cache_key_names_what_timing_and_accuracy_depend_on():
     """A tuned decision must not serve a site of another dtype, with a mask, or in another
     P mode: each changes the times or the numerics."""

@@ -15,12 +15,12 @@ import torch.fx as fx
 
 from ..attention import combine_masks, lowp_attention
 from ..config import HYBRID
-from .common import Site, kind, value
+from .common import Site, node_kind, value
 from .masks import erase_dead, lift_mask_structures, materialize
 from .packed import document_kwargs
-from .encoder import is_fast_path, match_fast_path, replace_fast_path
+from .encoder import match_fast_path
 from .flex import match_flex
-from .mha import match_mha, replace_mha
+from .mha import match_mha
 from .sdpa import match_sdpa, match_sdpa_backend
 from .softmax import match_softmax
 
@@ -56,7 +56,7 @@ def reads_causal_mask(site: Site) -> bool:
     causal mask, as HF models build under tracing): its BF16 path can then be SDPA's
     ``is_causal`` (``attention.causal_sdpa``) instead of a mask read per score.  (A
     flex_attention site reads no mask tensor: it stays flex.)"""
-    return site.kind not in ("mha", "flex") and site.structure is not None and site.mask_kind() == "causal"
+    return site.kind != "flex" and site.structure is not None and site.mask_kind() == "causal"
 
 
 def _scale_arg(graph: fx.Graph, scale):
@@ -73,47 +73,49 @@ def _scale_arg(graph: fx.Graph, scale):
     return result
 
 
-def replace_site(graph: fx.Graph, site: Site, path: str, p_mode: str | None, target=lowp_attention,
+def replace_site(graph: fx.Graph, site: Site, path: str, p_mode: str | None, attention=lowp_attention,
                  min_keys: int | None = None) -> fx.Node:
-    """Call ``target`` (``lowp_attention``'s signature; tuning passes a probe) in place of
-    the site, for ``path`` (``config.PATHS``: a format, or the hybrid training path)."""
+    """Replace the site by its low-precision computation for ``path`` (``config.PATHS``: a
+    format, or the hybrid training path), its attention by ``attention`` (``lowp_attention``
+    or a function of its signature: ``causal_sdpa``, tuning's probe)."""
     fmt, backward = ("fp8", "bf16") if path == HYBRID else (path, None)
-    if site.kind == "mha":
-        if is_fast_path(site.anchor):  # inference only: no backward
-            return replace_fast_path(graph, site, fmt, p_mode, min_keys)
-        return replace_mha(graph, site, fmt, p_mode, min_keys, backward)
+    options = {"fmt": fmt, "p_mode": p_mode}
+    if min_keys is not None:
+        options["min_keys"] = min_keys
+    if backward is not None:
+        options["backward"] = backward
     anchor = site.anchor
-    keep_masks, drop_masks = tuple(m for m, _ in site.keep_masks), tuple(m for m, _ in site.drop_masks)
     with graph.inserting_before(anchor):
-        if (len(site.bias_terms) == 1 and not site.bias_terms[0][1] and not (keep_masks or drop_masks)
-                and value(site.bias_terms[0][0]).dtype != torch.bool):
-            # One unscaled additive mask: pass it as SDPA would (a boolean one adds 1 where
-            # True, which SDPA would read as "keep": it goes through combine_masks).
-            mask = site.bias_terms[0][0]
-        elif site.bias_terms or keep_masks or drop_masks:
-            mask = graph.call_function(
-                combine_masks,
-                (site.attn_mask, tuple((m, _scale_arg(graph, f)) for m, f in site.bias_terms), keep_masks,
-                 drop_masks),
-            )
-        else:
-            mask = site.attn_mask
-        kwargs = {"attn_mask": mask, "scale": _scale_arg(graph, site.scale), "is_causal": site.causal,
-                  "fmt": fmt, "p_mode": p_mode, **_structure_kwargs(graph, site)}
-        if min_keys is not None:
-            kwargs["min_keys"] = min_keys
-        if backward is not None:
-            kwargs["backward"] = backward
-        new = graph.call_function(target, (site.q, site.k, site.v), kwargs)
-        want = value(anchor).dtype
-        if value(site.q).dtype != want:
-            new = graph.call_method("to", (new, want))
+        new = (site.rewrite or attention_call)(graph, site, attention, options)
     new.meta.update(anchor.meta)
     anchor.replace_all_uses_with(new)
     erase_replaced(anchor)
     if site.structure is not None:
         erase_dead(site.structure.nodes)  # the mask's producers: no N x N tensor is built
     return new
+
+
+def attention_call(graph: fx.Graph, site: Site, attention, options: dict) -> fx.Node:
+    """``attention(q, k, v, ...)`` with the site's masks, scale and structure, cast back to
+    the dtype the site returned."""
+    keep_masks, drop_masks = tuple(m for m, _ in site.keep_masks), tuple(m for m, _ in site.drop_masks)
+    if (len(site.bias_terms) == 1 and not site.bias_terms[0][1] and not (keep_masks or drop_masks)
+            and value(site.bias_terms[0][0]).dtype != torch.bool):
+        # One unscaled additive mask: pass it as SDPA would (a boolean one adds 1 where
+        # True, which SDPA would read as "keep": it goes through combine_masks).
+        mask = site.bias_terms[0][0]
+    elif site.bias_terms or keep_masks or drop_masks:
+        mask = graph.call_function(
+            combine_masks,
+            (site.attn_mask, tuple((m, _scale_arg(graph, f)) for m, f in site.bias_terms), keep_masks, drop_masks),
+        )
+    else:
+        mask = site.attn_mask
+    kwargs = {"attn_mask": mask, "scale": _scale_arg(graph, site.scale), "is_causal": site.causal,
+              "fmt": options["fmt"], "p_mode": options["p_mode"], **_structure_kwargs(graph, site), **options}
+    new = graph.call_function(attention, (site.q, site.k, site.v), kwargs)
+    want = value(site.anchor).dtype
+    return new if value(site.q).dtype == want else graph.call_method("to", (new, want))
 
 
 def _structure_kwargs(graph: fx.Graph, site: Site) -> dict:
@@ -134,12 +136,19 @@ def _structure_kwargs(graph: fx.Graph, site: Site) -> dict:
     return kwargs
 
 
-def erase_replaced(node: fx.Node) -> None:
+def erase_replaced(anchor: fx.Node) -> None:
     """Erase a replaced anchor and the chain that only fed it.  Unlike a general DCE this
     stops at any node it does not recognise, so nothing with unknown effects goes."""
-    if node.users or node.op not in ("call_function", "call_method") or kind(node) is None:
+    inputs = anchor.all_input_nodes
+    anchor.graph.erase_node(anchor)
+    for a in inputs:
+        _erase_unused(a)
+
+
+def _erase_unused(node: fx.Node) -> None:
+    if node.users or node.op not in ("call_function", "call_method") or node_kind(node) is None:
         return
-    inputs = [a for a in node.all_input_nodes]
+    inputs = node.all_input_nodes
     node.graph.erase_node(node)
     for a in inputs:
-        erase_replaced(a)
+        _erase_unused(a)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import operator
 import re
+from collections.abc import Callable
 
 import torch
 import torch.fx as fx
@@ -102,7 +103,7 @@ _SIGNATURES = {
 }
 
 
-def kind(node) -> str | None:
+def node_kind(node) -> str | None:
     if not isinstance(node, fx.Node):
         return None
     if node.op == "call_function":
@@ -118,7 +119,7 @@ def kind(node) -> str | None:
 def arg(node: fx.Node, index: int, name: str | None = None, default=None):
     """Argument ``index`` (or keyword ``name``) of a call, by the kind's signature."""
     if name is None:
-        name = _SIGNATURES[kind(node)][index]
+        name = _SIGNATURES[node_kind(node)][index]
     if name in node.kwargs:
         return node.kwargs[name]
     if index < len(node.args):
@@ -149,7 +150,7 @@ def swaps_last_two(node: fx.Node) -> fx.Node | None:
         return None
     if node.op == "call_function" and node.target is getattr and node.args[1:] == ("mT",):
         return node.args[0]
-    k = kind(node)
+    k = node_kind(node)
     if k == "transpose":
         dims = sorted(int(d) % r for d in (arg(node, 1), arg(node, 2)))
         return node.args[0] if dims == [r - 2, r - 1] else None
@@ -164,7 +165,7 @@ def constant_fill(node) -> float | None:
     """A numeric fill value: a literal, or ``torch.full([], c)`` / ``torch.tensor(c)``."""
     if isinstance(node, (int, float)) and not isinstance(node, bool):
         return float(node)
-    k = kind(node)
+    k = node_kind(node)
     if k == "full" and isinstance(arg(node, 1), (int, float)):
         return float(arg(node, 1))
     if k == "tensor" and isinstance(arg(node, 0), (int, float)):
@@ -202,7 +203,11 @@ class Site:
     causal structure and key padding read from masks (``masks.structure_site``; those
     masks are no longer among the dense ones), ``causal`` whether there is one;
     ``empty_rows`` what a query row with no visible key gets (``attention.EMPTY_ROWS``).
-    ``unsupported`` says why the site must stay as written.
+    ``unsupported`` says why the site must stay as written.  Sites inside one fused module
+    call (``nn.MultiheadAttention``, PyTorch's inference fast paths) keep their masks as
+    that call's arguments (``call_masks``) and are replaced by a run-time function of the
+    same arguments (``rewrite``); the others by an attention call on q, k, v
+    (``patterns.attention_call``).
     """
 
     kind: str
@@ -224,10 +229,23 @@ class Site:
     structure: object = None  # masks.MaskStructure
     empty_rows: str = "zero"
     mask_note: str | None = None  # mask_kind() of a site whose masks are call arguments (MHA)
+    call_masks: tuple | None = None  # the fused call's own mask arguments (None where absent)
+    # (graph, site, attention, options) -> the node computing the site, inserted before the
+    # anchor; ``attention`` is ``lowp_attention`` or a stand-in with its signature (tuning's
+    # probe), ``options`` its keyword arguments (fmt, p_mode, min_keys, backward).
+    rewrite: Callable | None = None
 
     def dense_masks(self) -> list:
         """The masks read as tensors (None where absent): what ``structure`` did not take."""
         return [self.attn_mask, *(m for m, _ in (*self.keep_masks, *self.drop_masks, *self.bias_terms))]
+
+    def mask_nodes(self, dense: bool = False) -> list:
+        """The site's masks (None where absent); with ``dense``, only those read per score
+        (not the key-padding vector its structure holds)."""
+        if self.call_masks is not None:
+            return list(self.call_masks)
+        pad = self.structure.key_padding if self.structure is not None and not dense else None
+        return [pad, *self.dense_masks()]
 
     def mask_kind(self) -> str:
         """What masks the site has, as ``explain`` shows them and the cost table keys them:
@@ -309,14 +327,14 @@ def strip_repeat_kv(site: Site) -> None:
 
 
 def _unrepeat(node) -> tuple:
-    k = kind(node)
+    k = node_kind(node)
     if k == "repeat_interleave":
         reps, dim = arg(node, 1), arg(node, 2)
         if isinstance(reps, int) and dim in (1, -3) and rank(node) == 4:
             return node.args[0], reps
     if k == "reshape":
         expand = node.args[0]
-        if kind(expand) == "expand" and kind(expand.args[0]) == "getitem":
+        if node_kind(expand) == "expand" and node_kind(expand.args[0]) == "getitem":
             getitem = expand.args[0]
             base, index = getitem.args
             full = slice(None)

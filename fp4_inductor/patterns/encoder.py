@@ -14,32 +14,34 @@ import torch.nn.functional as F
 
 from ..attention import lowp_attention
 from .common import Site, module_path, value
+from .mha import bind_attention
 
 _LAYER = torch._transformer_encoder_layer_fwd
 _MHA = torch._native_multi_head_attention
 
 
-def is_fast_path(node: fx.Node) -> bool:
+def _is_fast_path(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target in (_LAYER, _MHA)
 
 
-def fast_path_mask(node: fx.Node):
+def _fast_path_mask(node: fx.Node):
     """The fused call's mask argument (None where absent)."""
     return node.args[9] if node.target is _MHA else node.args[18]
 
 
 def match_fast_path(node: fx.Node) -> Site | None:
-    if not is_fast_path(node):
+    if not _is_fast_path(node):
         return None
     src = node.args[0]
     heads = node.args[4] if node.target is _MHA else node.args[2]
     x = value(src)
-    site = Site("mha", node, q=src, k=node.args[1] if node.target is _MHA else src,
-                v=node.args[2] if node.target is _MHA else src, name=module_path(node))
+    site = Site("fast-path", node, q=src, k=node.args[1] if node.target is _MHA else src,
+                v=node.args[2] if node.target is _MHA else src, name=module_path(node),
+                call_masks=(_fast_path_mask(node),), rewrite=_fast_path_call)
     site.weights = (node.args[5] if node.target is _MHA else node.args[3],)
     keys = value(site.k)
     site.dims = (x.shape[0], heads, heads, x.shape[1], keys.shape[1], x.shape[-1] // heads)
-    mask = fast_path_mask(node)
+    mask = _fast_path_mask(node)
     site.mask_note = "none" if mask is None else "padding" if _mask_type(node) == 1 else "dense"
     if node.target is _MHA and node.args[10] is not False:
         site.unsupported = "attention weights are returned (need_weights=True)"
@@ -52,8 +54,8 @@ def _mask_type(node: fx.Node):
     return node.args[12] if node.target is _MHA else node.args[19]
 
 
-def _attention(q_in, k_in, v_in, heads, qkv_weight, qkv_bias, proj_weight, proj_bias, mask, mask_type, fmt, p_mode,
-               min_keys):
+def _attention(q_in, k_in, v_in, heads, qkv_weight, qkv_bias, proj_weight, proj_bias, mask, mask_type, attention,
+               options):
     """The fused ops' attention on batch-first ``[B, L, E]`` inputs."""
     b, lq, e = q_in.shape
     if q_in is k_in is v_in:
@@ -68,27 +70,28 @@ def _attention(q_in, k_in, v_in, heads, qkv_weight, qkv_bias, proj_weight, proj_
         attn_mask = mask[:, None, None, :] if mask_type == 1 else mask
         if attn_mask.dtype == torch.bool:
             attn_mask = ~attn_mask
-    out = lowp_attention(q, k, v, attn_mask=attn_mask, fmt=fmt, p_mode=p_mode, min_keys=min_keys,
-                         empty_rows="sdpa" if attn_mask is not None and attn_mask.dtype != torch.bool else "zero")
+    out = attention(q, k, v, attn_mask=attn_mask, **options,
+                    empty_rows="sdpa" if attn_mask is not None and attn_mask.dtype != torch.bool else "zero")
     return F.linear(out.transpose(1, 2).reshape(b, lq, e), proj_weight, proj_bias)
 
 
 def native_mha_lowp(query, key, value, embed_dim, num_heads, qkv_weight, qkv_bias, proj_weight, proj_bias, mask=None,
-                    need_weights=True, average_attn_weights=True, mask_type=None, *, fmt, p_mode, min_keys=None):
+                    need_weights=True, average_attn_weights=True, mask_type=None, *, attention=lowp_attention,
+                    **options):
     """``torch._native_multi_head_attention`` with ``need_weights=False``, attention in low precision."""
     out = _attention(query, key, value, num_heads, qkv_weight, qkv_bias, proj_weight, proj_bias, mask, mask_type,
-                     fmt, p_mode, min_keys)
+                     attention, options)
     return out, None
 
 
 def encoder_layer_lowp(src, embed_dim, num_heads, qkv_weight, qkv_bias, proj_weight, proj_bias, use_gelu, norm_first,
                        eps, norm_weight_1, norm_bias_1, norm_weight_2, norm_bias_2, ffn_weight_1, ffn_bias_1,
-                       ffn_weight_2, ffn_bias_2, mask=None, mask_type=None, *, fmt, p_mode, min_keys=None):
+                       ffn_weight_2, ffn_bias_2, mask=None, mask_type=None, *, attention=lowp_attention, **options):
     """``torch._transformer_encoder_layer_fwd`` (eval: no dropout), attention in low precision."""
 
     def attend(x):
-        return _attention(x, x, x, num_heads, qkv_weight, qkv_bias, proj_weight, proj_bias, mask, mask_type, fmt,
-                          p_mode, min_keys)
+        return _attention(x, x, x, num_heads, qkv_weight, qkv_bias, proj_weight, proj_bias, mask, mask_type,
+                          attention, options)
 
     def feed_forward(x):
         hidden = F.linear(x, ffn_weight_1, ffn_bias_1)
@@ -107,13 +110,7 @@ def encoder_layer_lowp(src, embed_dim, num_heads, qkv_weight, qkv_bias, proj_wei
     return norm2(x + feed_forward(x))
 
 
-def replace_fast_path(graph: fx.Graph, site: Site, fmt: str, p_mode: str | None, min_keys: int | None) -> fx.Node:
+def _fast_path_call(graph: fx.Graph, site: Site, attention, options: dict) -> fx.Node:
     node = site.anchor
     target = native_mha_lowp if node.target is _MHA else encoder_layer_lowp
-    kwargs = {"fmt": fmt, "p_mode": p_mode, **({"min_keys": min_keys} if min_keys is not None else {})}
-    with graph.inserting_before(node):
-        new = graph.call_function(target, node.args, {**node.kwargs, **kwargs})
-    new.meta.update(node.meta)
-    node.replace_all_uses_with(new)
-    graph.erase_node(node)
-    return new
+    return graph.call_function(bind_attention(target, attention), node.args, {**node.kwargs, **options})

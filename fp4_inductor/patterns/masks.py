@@ -19,7 +19,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from .common import MASK_FILL_MAX, Site, arg, constant_fill, kind, rank, value
+from .common import MASK_FILL_MAX, Site, arg, constant_fill, node_kind, rank, value
 from . import packed
 from .mask_values import ZERO, Arange, Const, Delta, Fill, Ids, Index, Not, Structure, add, affine, tighter
 
@@ -50,7 +50,7 @@ class _Evaluator:
     def _eval(self, node: fx.Node):
         if node.op == "placeholder":  # a mask built outside a checkpointed body (lift_mask_structures)
             return node.meta.get(LIFTED)
-        target, k = node.target, kind(node)
+        target, k = node.target, node_kind(node)
         if node.op == "call_function" and target is torch.arange:
             args = node.args
             if len(args) == 1 or (len(args) == 2 and affine(args[0]) == ZERO):
@@ -392,7 +392,7 @@ def _where_fill(node) -> tuple | None:
     """``where(cond, 0, fill)`` (keep where cond) or ``where(cond, fill, 0)`` (drop) with a
     constant fill at or below ``MASK_FILL_MAX``: (cond, keep, fill), else None.  HF's eager
     attention adds such a mask (fill finfo.min)."""
-    if kind(node) != "where":
+    if node_kind(node) != "where":
         return None
     cond, a, b = (arg(node, i) for i in range(3))
     fa, fb = _fill_value(a), _fill_value(b)

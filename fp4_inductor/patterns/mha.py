@@ -35,7 +35,7 @@ def match_mha(node: fx.Node) -> Site | None:
         return None
     a = mha_args(node)
     site = Site("mha", node, q=a["query"], k=a["key"], v=a["value"], causal=bool(a["is_causal"]),
-                name=module_path(node))
+                name=module_path(node), call_masks=(a["attn_mask"], a["key_padding_mask"]), rewrite=_mha_call)
     query, key = value(a["query"]), value(a["key"])
     heads = a["num_heads"]
     site.weights = tuple(a[n] for n in ("in_proj_weight", "q_proj_weight") if a[n] is not None)
@@ -58,10 +58,11 @@ def match_mha(node: fx.Node) -> Site | None:
 
 
 def mha_lowp(query, key, value, num_heads, in_proj_weight, in_proj_bias, out_proj_weight, out_proj_bias,
-             key_padding_mask, attn_mask, is_causal, q_proj_weight, k_proj_weight, v_proj_weight, *, fmt, p_mode,
-             min_keys=None, empty_rows="zero", backward="lowp"):
+             key_padding_mask, attn_mask, is_causal, q_proj_weight, k_proj_weight, v_proj_weight, *,
+             attention=lowp_attention, **options):
     """``F.multi_head_attention_forward`` with ``need_weights=False`` on sequence-first
-    ``[L, N, E]`` inputs, or one unbatched ``[L, E]`` sequence, attention in low precision."""
+    ``[L, N, E]`` inputs, or one unbatched ``[L, E]`` sequence, the attention by
+    ``attention(q, k, v, attn_mask=, is_causal=, **options)``."""
     unbatched = query.dim() == 2
     if unbatched:  # a batch of one, as upstream does
         query, key, value = (x.unsqueeze(1) for x in (query, key, value))
@@ -81,9 +82,8 @@ def mha_lowp(query, key, value, num_heads, in_proj_weight, in_proj_bias, out_pro
         attn_mask = None
     else:
         is_causal = False
-    out = lowp_attention(q, k, v, attn_mask=_sdpa_mask(attn_mask, key_padding_mask, batch, num_heads),
-                         is_causal=is_causal, fmt=fmt, p_mode=p_mode, min_keys=min_keys, empty_rows=empty_rows,
-                         backward=backward)
+    out = attention(q, k, v, attn_mask=_sdpa_mask(attn_mask, key_padding_mask, batch, num_heads),
+                    is_causal=is_causal, **options)
     out = F.linear(out.permute(2, 0, 1, 3).reshape(length, batch, embed), out_proj_weight, out_proj_bias)
     return (out.squeeze(1) if unbatched else out), None
 
@@ -102,22 +102,26 @@ def _sdpa_mask(attn_mask, key_padding_mask, batch: int, heads: int):
     return combine_masks(None, additive, (), tuple(m for m in masks if m.dtype == torch.bool))
 
 
-def replace_mha(graph: fx.Graph, site: Site, fmt: str, p_mode: str | None, min_keys: int | None = None,
-                backward: str | None = None) -> fx.Node:
+def _mha_call(graph: fx.Graph, site: Site, attention, options: dict) -> fx.Node:
     a = mha_args(site.anchor)
     args = (a["query"], a["key"], a["value"], a["num_heads"], a["in_proj_weight"], a["in_proj_bias"],
             a["out_proj_weight"], a["out_proj_bias"], a["key_padding_mask"], a["attn_mask"], a["is_causal"],
             a["q_proj_weight"] if a["use_separate_proj_weight"] else None,
             a["k_proj_weight"] if a["use_separate_proj_weight"] else None,
             a["v_proj_weight"] if a["use_separate_proj_weight"] else None)
-    with graph.inserting_before(site.anchor):
-        kwargs = {"fmt": fmt, "p_mode": p_mode, "empty_rows": site.empty_rows}
-        if min_keys is not None:
-            kwargs["min_keys"] = min_keys
-        if backward is not None:
-            kwargs["backward"] = backward
-        new = graph.call_function(mha_lowp, args, kwargs)
-    new.meta.update(site.anchor.meta)
-    site.anchor.replace_all_uses_with(new)
-    graph.erase_node(site.anchor)
-    return new
+    kwargs = {"fmt": options["fmt"], "p_mode": options["p_mode"], "empty_rows": site.empty_rows, **options}
+    return graph.call_function(bind_attention(mha_lowp, attention), args, kwargs)
+
+
+def bind_attention(fn, attention):
+    """``fn`` (a run-time function taking ``attention=``) calling ``attention``: itself for
+    ``lowp_attention``, else a closure (FX writes keyword arguments as literals, and a
+    function has none; a call target it registers by name)."""
+    if attention is lowp_attention:
+        return fn
+
+    def call(*args, **kwargs):
+        return fn(*args, attention=attention, **kwargs)
+
+    call.__name__ = call.__qualname__ = fn.__name__
+    return call

@@ -6,12 +6,12 @@ import operator
 
 import torch.fx as fx
 
-from .common import SDPA_BACKENDS, Site, arg, kind, module_path, strip_repeat_kv, value
+from .common import SDPA_BACKENDS, Site, arg, node_kind, module_path, strip_repeat_kv, value
 from .masks import structure_site
 
 
 def match_sdpa(node: fx.Node) -> Site | None:
-    if kind(node) != "sdpa":
+    if node_kind(node) != "sdpa":
         return None
     q, k, v = (arg(node, i) for i in range(3))
     site = Site("sdpa", node, q=q, k=k, v=v, name=module_path(node))
@@ -37,7 +37,7 @@ def match_sdpa(node: fx.Node) -> Site | None:
 
 def match_sdpa_backend(node: fx.Node) -> Site | None:
     """``aten._scaled_dot_product_*_attention`` whose only use is its output."""
-    if kind(node) != "sdpa_backend":
+    if node_kind(node) != "sdpa_backend":
         return None
     users = list(node.users)
     if not users or not all(u.target is operator.getitem and u.args[1] == 0 for u in users):

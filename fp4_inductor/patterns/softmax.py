@@ -16,7 +16,7 @@ import dataclasses
 import torch
 import torch.fx as fx
 
-from .common import MASK_FILL_MAX, Site, arg, constant_fill, kind, module_path, rank, strip_repeat_kv, swaps_last_two, value
+from .common import MASK_FILL_MAX, Site, arg, constant_fill, node_kind, module_path, rank, strip_repeat_kv, swaps_last_two, value
 from .masks import structure_site
 
 
@@ -33,7 +33,7 @@ class _Scores:
 def softmax_over_other_dim(graph: fx.Graph) -> bool:
     """Whether any softmax in the graph is over another dimension than the last (or one
     not known when the graph is compiled)."""
-    return any(kind(node) == "softmax" and not _over_last_dim(node) for node in graph.nodes)
+    return any(node_kind(node) == "softmax" and not _over_last_dim(node) for node in graph.nodes)
 
 
 def _over_last_dim(softmax: fx.Node) -> bool:
@@ -42,7 +42,7 @@ def _over_last_dim(softmax: fx.Node) -> bool:
 
 
 def match_softmax(node: fx.Node) -> Site | None:
-    if kind(node) != "softmax":
+    if node_kind(node) != "softmax":
         return None
     scores = _trace_scores(arg(node, 0))
     if scores is None:
@@ -73,7 +73,7 @@ def _trace_scores(node) -> _Scores | None:
     while True:
         if len(cur.users) != 1:
             return _Scores(None, None, [], "attention scores are used elsewhere") if _reaches_qk(cur) else None
-        k = kind(cur)
+        k = node_kind(cur)
         if k in ("cast", "contiguous"):
             cur = cur.args[0]
         elif k in ("mul", "div"):
@@ -115,15 +115,15 @@ def _reaches_qk(node, depth: int = 8) -> bool:
     """Whether a matrix product lies a few elementwise steps upstream (scores, not a mask)."""
     if not isinstance(node, fx.Node) or depth == 0:
         return False
-    if kind(node) in ("matmul", "bmm", "baddbmm", "einsum"):
+    if node_kind(node) in ("matmul", "bmm", "baddbmm", "einsum"):
         return True
-    if kind(node) not in ("cast", "contiguous", "mul", "div", "add", "masked_fill", "where"):
+    if node_kind(node) not in ("cast", "contiguous", "mul", "div", "add", "masked_fill", "where"):
         return False
     return any(_reaches_qk(a, depth - 1) for a in node.args if isinstance(a, fx.Node))
 
 
 def _qk_operands(node: fx.Node, ops: list) -> _Scores | None:
-    k = kind(node)
+    k = node_kind(node)
     if k in ("matmul", "bmm"):
         a, b = node.args[:2]
     elif k == "baddbmm":
@@ -157,7 +157,7 @@ def _find_pv(softmax: fx.Node) -> tuple[fx.Node | None, str | None]:
             used_for_pv = any(_is_pv(u, cur) for u in users)
             return None, ("attention probabilities are used elsewhere" if used_for_pv or len(users) > 1 else None)
         user = users[0]
-        k = kind(user)
+        k = node_kind(user)
         if k in ("cast", "contiguous"):
             cur = user
         elif k == "dropout":
@@ -172,7 +172,7 @@ def _find_pv(softmax: fx.Node) -> tuple[fx.Node | None, str | None]:
 
 
 def _is_pv(node: fx.Node, probs: fx.Node) -> bool:
-    k = kind(node)
+    k = node_kind(node)
     if k in ("matmul", "bmm"):
         return node.args[0] is probs
     if k == "einsum":
@@ -182,7 +182,7 @@ def _is_pv(node: fx.Node, probs: fx.Node) -> bool:
 
 
 def _pv_value_operand(node: fx.Node) -> fx.Node:
-    return _einsum_operands(node, "pv")[1] if kind(node) == "einsum" else node.args[1]
+    return _einsum_operands(node, "pv")[1] if node_kind(node) == "einsum" else node.args[1]
 
 
 def _einsum_operands(node: fx.Node, which: str) -> tuple | None:
