@@ -18,26 +18,6 @@ from . import formats as F
 from . import ops
 
 
-def combine_masks(attn_mask, bias_terms, keep_masks, drop_masks):
-    """One additive mask (-inf where masked) from a site's masks: an SDPA-style
-    ``attn_mask`` (boolean True keeps), ``(mask, factor)`` additive terms, and boolean
-    masks that keep or drop where True.  Called inside rewritten graphs."""
-    if attn_mask is not None:  # SDPA's mask is one more keep mask or additive term
-        if attn_mask.dtype == torch.bool:
-            keep_masks = (attn_mask, *keep_masks)
-        else:
-            bias_terms = ((attn_mask, 1.0), *bias_terms)
-    total = None
-    for mask, factor in bias_terms:
-        term = mask.float() * factor
-        total = term if total is None else total + term
-    for keep, drop in [(m, False) for m in keep_masks] + [(m, True) for m in drop_masks]:
-        masked = keep if drop else ~keep
-        fill = torch.zeros(masked.shape, dtype=torch.float32, device=masked.device).masked_fill(masked, float("-inf"))
-        total = fill if total is None else total + fill
-    return total
-
-
 def refuse_double_backward():
     """Under create_graph=True our backward ops (no gradient of their own) would return
     detached dQ, dK, dV and a second-order term would vanish without a word
@@ -151,23 +131,6 @@ def empty_row_fill(out, empty, v, mode: str, attn_mask=None):
             all_neg_inf = torch.full((), mode == "nan", device=out.device)
         fill = torch.where(all_neg_inf, 0.0 if mode == "sdpa" else math.nan, fill)
     return torch.where(empty[..., None], fill.to(out.dtype), out)
-
-
-def causal_sdpa(q, k, v, attn_mask=None, scale=None, is_causal=True, *, fmt=None, p_mode=None, diagonal=0,
-                window=0, empty_rows="zero"):
-    """The BF16 path of a site whose mask the matchers read as SDPA's own causal structure
-    (HF models hand a traced graph a dense ``[B, 1, N, N]`` mask even without padding):
-    SDPA with ``is_causal`` and no mask tensor, which Inductor lowers to the flash/cuDNN
-    kernels that skip the masked half, where the dense mask runs their bias path over every
-    score.  ``lowp_attention``'s signature, so that ``replace_site`` can call it."""
-    assert is_causal and attn_mask is None and not window and isinstance(diagonal, int) and diagonal == 0
-    if not isinstance(scale, (int, float, type(None))):  # SDPA takes a float: fold a tensor or symbolic one into Q
-        q, scale = (q * scale).to(q.dtype), 1.0
-    if q.dim() == 4 and k.shape[1] != q.shape[1]:
-        # The K/V the matchers un-repeated: repeated again as the model did, which keeps the
-        # cuDNN backend (it takes no enable_gqa) eligible.
-        k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
-    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
 
 
 def lowp_attention(

@@ -16,7 +16,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 
 from . import config
 from .config import Options
-from .attention import causal_sdpa
+from .runtime import causal_sdpa
 from .patterns import find_sites, graph_modules, reads_causal_mask, replace_site
 from .patterns.common import value
 from .patterns.masks import drop_unread_masks

@@ -4,7 +4,8 @@ import expecttest
 import torch
 import torch.fx as fx
 
-from fp4_inductor.attention import combine_masks, lowp_attention
+from fp4_inductor.attention import lowp_attention
+from fp4_inductor.runtime import combine_masks
 from fp4_inductor.compiler import rewrite
 from fp4_inductor.config import Options
 

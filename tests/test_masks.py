@@ -260,7 +260,7 @@ def test_bf16_site_runs_its_causal_mask_as_is_causal(site):
     torch._dynamo.reset()
     out, got = loss_and_grads(torch.compile(model, backend=backend))
     calls = [n for g in graphs for n in g.graph.nodes if n.op == "call_function"]
-    assert sum(n.target is fp4_inductor.attention.causal_sdpa for n in calls) == len(report.sites)
+    assert sum(n.target is fp4_inductor.runtime.causal_sdpa for n in calls) == len(report.sites)
     square = [n for n in calls if n.users and isinstance(n.meta.get("example_value"), torch.Tensor)
               and n.meta["example_value"].shape[-2:] == (N, N)]
     assert not square, square  # neither the mask nor the scores are used (a dead node goes in Inductor's DCE)

@@ -13,7 +13,8 @@ import operator
 import torch
 import torch.fx as fx
 
-from ..attention import combine_masks, lowp_attention
+from ..attention import lowp_attention
+from ..runtime import combine_masks
 from ..config import HYBRID
 from .common import Site, node_kind, value
 from .masks import erase_dead, lift_mask_structures, materialize
@@ -54,7 +55,7 @@ def find_sites(graph: fx.Graph) -> list[Site]:
 def reads_causal_mask(site: Site) -> bool:
     """Whether the site's masks are SDPA's own causal structure and nothing else (a dense
     causal mask, as HF models build under tracing): its BF16 path can then be SDPA's
-    ``is_causal`` (``attention.causal_sdpa``) instead of a mask read per score.  (A
+    ``is_causal`` (``runtime.causal_sdpa``) instead of a mask read per score.  (A
     flex_attention site reads no mask tensor: it stays flex.)"""
     return site.kind != "flex" and site.structure is not None and site.mask_kind() == "causal"
 

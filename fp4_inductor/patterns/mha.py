@@ -1,8 +1,8 @@
 """``nn.MultiheadAttention`` (and ``nn.Transformer*Layer``, torchvision's ViT), which
 Dynamo keeps as one opaque ``F.multi_head_attention_forward`` call.
 
-The replacement does what that function does on its common path (in-projection, heads,
-attention, out-projection) with ``lowp_attention`` for the attention.  Sites that need
+The replacement, ``runtime.mha_lowp``, does what that function does on its common path
+(in-projection, heads, attention, out-projection) with ``lowp_attention`` for the attention.  Sites that need
 the averaged weights, ``bias_k``/``bias_v``, ``add_zero_attn``, static K/V or dropout in
 training stay as written.
 """
@@ -13,7 +13,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from ..attention import combine_masks, lowp_attention
+from ..runtime import bind_attention, mha_lowp
 from .common import Site, arg, module_path, value
 
 _PARAMS = (
@@ -57,51 +57,6 @@ def match_mha(node: fx.Node) -> Site | None:
     return site
 
 
-def mha_lowp(query, key, value, num_heads, in_proj_weight, in_proj_bias, out_proj_weight, out_proj_bias,
-             key_padding_mask, attn_mask, is_causal, q_proj_weight, k_proj_weight, v_proj_weight, *,
-             attention=lowp_attention, **options):
-    """``F.multi_head_attention_forward`` with ``need_weights=False`` on sequence-first
-    ``[L, N, E]`` inputs, or one unbatched ``[L, E]`` sequence, the attention by
-    ``attention(q, k, v, attn_mask=, is_causal=, **options)``."""
-    unbatched = query.dim() == 2
-    if unbatched:  # a batch of one, as upstream does
-        query, key, value = (x.unsqueeze(1) for x in (query, key, value))
-        key_padding_mask = key_padding_mask.unsqueeze(0) if key_padding_mask is not None else None
-    length, batch, embed = query.shape
-    if q_proj_weight is not None:
-        weights = (q_proj_weight, k_proj_weight, v_proj_weight)
-    else:
-        weights = in_proj_weight.chunk(3)
-    biases = in_proj_bias.chunk(3) if in_proj_bias is not None else (None, None, None)
-    q, k, v = (
-        F.linear(x, w, b).unflatten(-1, (num_heads, -1)).permute(1, 2, 0, 3)  # [N, H, L, D]
-        for x, w, b in zip((query, key, value), weights, biases)
-    )
-    # The is_causal hint replaces attn_mask when no key padding is given, as upstream does.
-    if is_causal and key_padding_mask is None:
-        attn_mask = None
-    else:
-        is_causal = False
-    out = attention(q, k, v, attn_mask=_sdpa_mask(attn_mask, key_padding_mask, batch, num_heads),
-                    is_causal=is_causal, **options)
-    out = F.linear(out.permute(2, 0, 1, 3).reshape(length, batch, embed), out_proj_weight, out_proj_bias)
-    return (out.squeeze(1) if unbatched else out), None
-
-
-def _sdpa_mask(attn_mask, key_padding_mask, batch: int, heads: int):
-    """MHA's masks as one SDPA mask.  MHA's boolean masks mean "masked out" where True
-    (the opposite of SDPA's); float masks add."""
-    masks = []
-    if attn_mask is not None:
-        masks.append(attn_mask.unflatten(0, (batch, heads)) if attn_mask.dim() == 3 else attn_mask)  # [N*H, L, S]
-    if key_padding_mask is not None:
-        masks.append(key_padding_mask[:, None, None, :])  # [N, 1, 1, S]
-    if not masks:
-        return None
-    additive = tuple((m, 1.0) for m in masks if m.dtype != torch.bool)
-    return combine_masks(None, additive, (), tuple(m for m in masks if m.dtype == torch.bool))
-
-
 def _mha_call(graph: fx.Graph, site: Site, attention, options: dict) -> fx.Node:
     a = mha_args(site.anchor)
     args = (a["query"], a["key"], a["value"], a["num_heads"], a["in_proj_weight"], a["in_proj_bias"],
@@ -111,17 +66,3 @@ def _mha_call(graph: fx.Graph, site: Site, attention, options: dict) -> fx.Node:
             a["v_proj_weight"] if a["use_separate_proj_weight"] else None)
     kwargs = {"fmt": options["fmt"], "p_mode": options["p_mode"], "empty_rows": site.empty_rows, **options}
     return graph.call_function(bind_attention(mha_lowp, attention), args, kwargs)
-
-
-def bind_attention(fn, attention):
-    """``fn`` (a run-time function taking ``attention=``) calling ``attention``: itself for
-    ``lowp_attention``, else a closure (FX writes keyword arguments as literals, and a
-    function has none; a call target it registers by name)."""
-    if attention is lowp_attention:
-        return fn
-
-    def call(*args, **kwargs):
-        return fn(*args, attention=attention, **kwargs)
-
-    call.__name__ = call.__qualname__ = fn.__name__
-    return call
