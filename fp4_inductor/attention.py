@@ -194,6 +194,8 @@ def lowp_attention(
             attn_mask = attn_mask.unsqueeze(1)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
+    elif not isinstance(scale, (int, float)):
+        q, scale = F.fold_scale(q, scale), 1.0
     p_mode = p_mode or default_p_mode(fmt)
     if backward == "bf16" and p_mode not in ("direct", "exp"):
         raise ValueError(f"backward='bf16' needs fmt='fp8' (P mode direct or exp), got P mode {p_mode!r}")
@@ -202,15 +204,9 @@ def lowp_attention(
     if min_keys is not None:
         if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
             raise ValueError("min_keys (a run-time branch) is for inference: the branch has no autograd")
-        if not isinstance(scale, (int, float)):
-            # The op takes a float (a symbolic one would specialise the graph): fold the
-            # scale into Q, one rounding to Q's dtype, far below the INT8 step of Q.
-            q, scale = (q.float() * scale).to(q.dtype), 1.0
         out, empty = torch.ops.fp4attn.by_length(q, k, v, attn_mask, float(scale), is_causal, fmt, p_mode, min_keys,
                                                  diagonal, window, key_padding, q_documents, k_documents)
     elif backward == "bf16":
-        if not isinstance(scale, (int, float)):  # the BF16 kernels take a float: fold it into Q
-            q, scale = (q.float() * scale).to(q.dtype), 1.0
         out, lse = _HybridAttention.apply(q, k, v, attn_mask, key_padding, float(scale), is_causal, fmt, p_mode,
                                           diagonal, window)
         empty = lse == -math.inf

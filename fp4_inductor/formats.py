@@ -166,6 +166,13 @@ def quantize_blockwise(x: torch.Tensor, dtype: torch.dtype = E4M3) -> tuple[torc
     return _cast(x / expand_block_scale(scale, x.shape[-2])[..., None], dtype, fmax), scale
 
 
+def fold_scale(q: torch.Tensor, sm_scale) -> torch.Tensor:
+    """Q times a softmax scale the ops cannot take (a tensor, or a symbolic float that would
+    specialise the graph), rounded once to Q's dtype: far below Q's INT8 step, and every
+    path (FP8, hybrid, by length, BF16 causal) then sees the same Q and a scale of 1."""
+    return (q.float() * sm_scale).to(q.dtype)
+
+
 def quantize_q(q: torch.Tensor, sm_scale) -> tuple[torch.Tensor, torch.Tensor]:
     """Q times the softmax scale as INT8 with one scale per token.
 

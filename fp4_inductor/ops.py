@@ -291,12 +291,10 @@ def align_keys(k, v, attn_mask, key_padding):
 def quantized_forward(q, k, v, bias, sm_scale, causal, fmt, p_mode, diagonal=0, window=0, q_documents=None,
                       k_documents=None):
     """quantize + fwd: the output, its LSE, the row reference and the quantized operands
-    (what backward needs)."""
-    out_dtype, op_scale = q.dtype, sm_scale
-    if not isinstance(sm_scale, (int, float)):  # a tensor or symbolic scale: fold it in first
-        q, op_scale = q.float() * sm_scale, 1.0
-    operands = torch.ops.fp4attn.quantize(q, k, v, float(op_scale), fmt)
-    out, lse, row_ref = torch.ops.fp4attn.fwd(*operands, bias, causal, p_mode, out_dtype, diagonal, window,
+    (what backward needs); ``sm_scale`` a number (``lowp_attention`` folds any other into Q,
+    ``formats.fold_scale``)."""
+    operands = torch.ops.fp4attn.quantize(q, k, v, float(sm_scale), fmt)
+    out, lse, row_ref = torch.ops.fp4attn.fwd(*operands, bias, causal, p_mode, q.dtype, diagonal, window,
                                               q_documents, k_documents)
     return out, lse, row_ref, operands
 

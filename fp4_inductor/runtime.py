@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import formats
 from .attention import lowp_attention
 
 
@@ -40,8 +41,8 @@ def causal_sdpa(q, k, v, attn_mask=None, scale=None, is_causal=True, *, fmt=None
     kernels that skip the masked half, where the dense mask runs their bias path over every
     score.  ``lowp_attention``'s signature, so that ``replace_site`` can call it."""
     assert is_causal and attn_mask is None and not window and isinstance(diagonal, int) and diagonal == 0
-    if not isinstance(scale, (int, float, type(None))):  # SDPA takes a float: fold a tensor or symbolic one into Q
-        q, scale = (q * scale).to(q.dtype), 1.0
+    if not isinstance(scale, (int, float, type(None))):  # SDPA takes a float
+        q, scale = formats.fold_scale(q, scale), 1.0
     if q.dim() == 4 and k.shape[1] != q.shape[1]:
         # The K/V the matchers un-repeated: repeated again as the model did, which keeps the
         # cuDNN backend (it takes no enable_gqa) eligible.

@@ -244,3 +244,27 @@ def test_lowp_attention_refuses_what_it_would_get_wrong():
     assert lowp_attention(q, k, v[..., :40]).shape == (1, 2, 33, 40)
     with torch.no_grad():  # nothing to differentiate: the mask is only a value
         assert lowp_attention(q, k, v, attn_mask=bias).shape == q.shape
+
+
+def test_a_tensor_scale_is_folded_into_q_once_for_every_path():
+    """A tensor softmax scale (or a symbolic one) reaches every path as ``formats.fold_scale``'s
+    Q with a scale of 1: the FP8 path, the run-time length branch (``min_keys``), the hybrid
+    path and the BF16 causal path give what they give for that Q, bit for bit."""
+    from fp4_inductor.attention import lowp_attention
+    from fp4_inductor.runtime import causal_sdpa
+
+    q, k, v = (torch.randn(1, 2, 48, 64, dtype=torch.bfloat16) for _ in range(3))
+    scale = torch.tensor(0.3)
+    folded = F.fold_scale(q, scale)
+    assert folded.dtype == q.dtype and not torch.equal(folded, q)
+    with torch.no_grad():
+        want = lowp_attention(folded, k, v, scale=1.0, is_causal=True)
+        assert torch.equal(lowp_attention(q, k, v, scale=scale, is_causal=True), want)
+        assert torch.equal(lowp_attention(q, k, v, scale=scale, is_causal=True, min_keys=16), want)
+        assert torch.equal(causal_sdpa(q, k, v, scale=scale),
+                           torch.nn.functional.scaled_dot_product_attention(folded, k, v, is_causal=True, scale=1.0))
+    q.requires_grad_()
+    got = lowp_attention(q, k, v, scale=scale, is_causal=True, backward="bf16")
+    assert torch.equal(got, lowp_attention(folded, k, v, scale=1.0, is_causal=True, backward="bf16"))
+    dq, = torch.autograd.grad(got.float().sum(), q)
+    assert dq.isfinite().all() and dq.abs().sum() > 0
