@@ -1,23 +1,29 @@
 """fp4_inductor: a torch.compile backend that runs attention in FP8/FP4 where it wins.
 
     torch.compile(model, backend="fp4attn")
+
+The public API is what ``__all__`` lists: the backend (``"fp4attn"``, ``backend()``),
+``configure()``, ``explain()`` and the records it returns (``Report``, ``SiteRecord``),
+``tune()`` and its ``TuneResult``, and the eager ``scaled_dot_product_attention`` and
+``patch()``; the integrations are ``attn_implementation="fp4attn"`` in transformers and
+``integrations.diffusers.use_fp4attn``.  The modules behind them are internal.
 """
 
-__version__ = "0.1.0"  # before the imports: tuning keys its cache on it
+import importlib.util
+import warnings
 
-import importlib.util  # noqa: E402
-import warnings  # noqa: E402
-
-from .compiler import backend  # noqa: E402
-from .config import configure  # noqa: E402
-from .eager import patch, scaled_dot_product_attention  # noqa: E402
-from .explain import Report, explain  # noqa: E402
-from .tuning import tune  # noqa: E402
+from ._version import __version__
+from .compiler import SiteRecord, backend
+from .config import configure
+from .eager import patch, scaled_dot_product_attention
+from .explain import Report, explain
+from .tuning import TuneResult, tune
 
 if importlib.util.find_spec("transformers") is not None:  # attn_implementation="fp4attn"
     try:
-        from .integrations import transformers as _transformers  # noqa: E402,F401
+        from .integrations import transformers as _transformers  # noqa: F401
     except ImportError as err:  # a transformers without the attention and mask interfaces
         warnings.warn(f"fp4_inductor: attn_implementation='fp4attn' is not registered: {err}", stacklevel=2)
 
-__all__ = ["backend", "configure", "explain", "tune", "Report", "scaled_dot_product_attention", "patch"]
+__all__ = ["backend", "configure", "explain", "Report", "SiteRecord", "tune", "TuneResult",
+           "scaled_dot_product_attention", "patch"]

@@ -177,7 +177,7 @@ def quantize_q(q: torch.Tensor, sm_scale) -> tuple[torch.Tensor, torch.Tensor]:
     """Q times the softmax scale as INT8 with one scale per token.
 
     INT8 rather than E4M3 for the score product: on Gaussian inputs E4M3 Q/K alone
-    cost 0.039 rel-L2 of the output, INT8 0.012 (docs/perf-notes.md), Hopper runs both
+    cost 0.039 rel-L2 of the output, INT8 0.012 (docs/perf-notes/), Hopper runs both
     at the same tensor-core rate, and the int32 accumulation is exact, so backward
     recomputes bit-identical scores in any order.  A per-token scale costs nothing:
     the kernel multiplies each score row by its row scale anyway.

@@ -92,7 +92,7 @@ def quantize(
     One op rather than aten code for Inductor to fuse: on the H200 Inductor's kernels for
     these cross-row reductions took 215 us where the op's two launches take 123; in a
     Llama-3.1-8B block with RoPE, which Inductor fuses into the op's input, the op's path
-    was the faster one too (docs/perf-notes.md)."""
+    was the faster one too (docs/perf-notes/)."""
     kernel = quantize_kernel(q, fmt)
     if kernel is not None:
         try:
@@ -263,7 +263,7 @@ def _(dout, q, k, v, out, lse, bias, scale, causal, diagonal=0, window=0):
 # Keys a call's K and V are padded to a multiple of: the Gluon kernels read V^T's rows and
 # K's 16-key chunks as TMA boxes (16-byte aligned), and the Triton kernel falls back to byte
 # loads of V^T without them (a Wan2.1 480p video's 32760 tokens: 338 ms against 24 ms for
-# 32768 tokens on the Gluon kernel, H200, docs/perf-notes.md).
+# 32768 tokens on the Gluon kernel, H200, docs/perf-notes/).
 KEY_ALIGN = 16
 
 

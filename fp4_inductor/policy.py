@@ -109,7 +109,7 @@ def _broadcasts(shape, target) -> bool:
 
 # Below this predicted speedup BF16 is kept: a user must never get a slowdown from the
 # backend.  On the H200 the measured speedup of the eager low-precision path came out at
-# 0.88-1.08x the table's prediction (policy grid, docs/perf-notes.md): the table is
+# 0.88-1.08x the table's prediction (policy grid, docs/perf-notes/): the table is
 # measured on full-GPU shapes, and run-to-run spread alone is up to 5 %.
 MIN_SPEEDUP = 1.10
 # tune() measures both paths on the real shapes in one process: only its timing spread
@@ -265,7 +265,7 @@ class AnalyticModel:
     FP8_FLOP = 8192
     ISSUE = 128
     BF16_EFFICIENCY = 0.7
-    # Instructions per score of the direct-P softmax (SASS count, docs/perf-notes.md).
+    # Instructions per score of the direct-P softmax (SASS count, docs/perf-notes/).
     SOFTMAX_OPS = 12
     QUANT_BYTES_PER_ELEMENT = 3  # 2 read, 1 written
     QUANT_OVER_FLOOR = 2.0

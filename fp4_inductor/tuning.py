@@ -20,8 +20,9 @@ from pathlib import Path
 
 import torch
 
-from . import __version__, config
+from . import config
 from . import ops
+from ._version import __version__
 from .attention import empty_row_fill, lowp_attention
 from .patterns import find_sites, graph_modules, replace_site
 from .policy import MIN_MEASURED_SPEEDUP, decide, gpu_slug, hybrid_backend, prefers_hybrid, site_key, site_shape
@@ -127,6 +128,11 @@ def save_decisions(gpu: str, entries: dict) -> Path:
 
 @dataclasses.dataclass
 class TuneResult:
+    """One site ``tune()`` measured: its cache ``key`` (``policy.site_key``), its module
+    path ``name``, and the stored ``entry`` (``path``, ``speedup``, ``cosine``,
+    ``t_low_ms``, ``t_bf16_ms`` and at hybrid sites ``t_hybrid_ms``; empty if the site
+    never ran)."""
+
     key: str
     name: str
     entry: dict

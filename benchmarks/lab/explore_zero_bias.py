@@ -1,6 +1,6 @@
 """Pricing a numerics change on the CPU first: Direct-P codes with a bias as the
 reference defines them now, or with the bias folded into the row's offset so that a zero
-bias gives the bias-free codes (``docs/perf-notes.md``, "Key padding in the Gluon
+bias gives the bias-free codes (``docs/perf-notes/2026-12.md``, "Key padding in the Gluon
 forward": the Gluon kernel's bias-free tiles would then skip a multiply a score).
 
     python benchmarks/lab/explore_zero_bias.py [--n 2048] [--d 128]
