@@ -12,7 +12,7 @@ The public API is what ``__all__`` lists: the backend (``"fp4attn"``, ``backend(
 import importlib.util
 import warnings
 
-from ._version import __version__
+from ._version import __version__  # noqa: F401 (the package attribute, not in __all__)
 from .compiler import SiteRecord, backend
 from .config import configure
 from .eager import patch, scaled_dot_product_attention

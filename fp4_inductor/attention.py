@@ -32,7 +32,7 @@ class _LowPrecisionAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, bias, sm_scale, causal, fmt, p_mode, diagonal, window, q_documents, k_documents):
         out, lse, row_ref, operands = ops.quantized_forward(q, k, v, bias, sm_scale, causal, fmt, p_mode,
                                                             diagonal, window, q_documents, k_documents)
-        ctx.save_for_backward(*operands, bias, out, lse, row_ref, q_documents, k_documents)
+        ctx.save_for_backward(*operands.flat(), bias, out, lse, row_ref, q_documents, k_documents)
         ctx.sm_scale, ctx.causal, ctx.p_mode, ctx.structure = sm_scale, causal, p_mode, (diagonal, window)
         # Gradients in the inputs' layout: contiguous inputs (leaves, say) get contiguous
         # gradients, so that autograd does not re-lay them out with a strided copy.
@@ -43,17 +43,12 @@ class _LowPrecisionAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _):
         refuse_double_backward()
-        q8, k8, v8t, q_scale, k_scale, v_scale, bias, out, lse, row_ref, q_documents, k_documents = ctx.saved_tensors
-        do8, do_scale, delta, qe, qe_scale, ke, ke_scale = backward_inputs(
-            dout, out, lse, row_ref, q8, q_scale, k8, k_scale, ctx.p_mode)
-        # Ke's scales are read by dQ's product alone: with the softmax scale folded into them
-        # the op returns dQ w.r.t. Q itself, rounded to its dtype once, and no elementwise
-        # kernel rescales it after.
-        dq, dk, dv = torch.ops.fp4attn.bwd(
-            do8, do_scale, delta, q8, k8, v8t, q_scale, k_scale, v_scale, qe, qe_scale, ke, ke_scale * ctx.sm_scale,
-            bias, row_ref, ctx.causal, ctx.p_mode, dout.dtype, ctx.grads_contiguous, *ctx.structure, q_documents,
-            k_documents,
-        )
+        *quantized, bias, out, lse, row_ref, q_documents, k_documents = ctx.saved_tensors
+        operands = ops.Operands.of(*quantized)
+        grad = ops.grad_operands(dout, out, lse, row_ref, operands, ctx.p_mode)
+        dq, dk, dv = ops.quantized_backward(grad, operands, bias, row_ref, ctx.sm_scale, ctx.causal, ctx.p_mode,
+                                            dout.dtype, ctx.grads_contiguous, *ctx.structure, q_documents,
+                                            k_documents)
         return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
 
@@ -93,14 +88,6 @@ def real_scores_lse(lse, q, k_op, sm_scale: float, p_mode: str) -> torch.Tensor:
 # The backward a training site takes: the format's own low-precision one, or BF16 after
 # the low-precision forward (``_HybridAttention``).
 BACKWARDS = ("lowp", "bf16")
-
-
-def backward_inputs(dout, out, lse, row_ref, q8, q_scale, k8, k_scale, p_mode):
-    """What ``fp4attn::bwd`` takes besides the forward's operands: E5M2 dO and its scale,
-    delta = rowsum(dO * O) from the quantized dO, and the E4M3 views of Q and K."""
-    do8, do_scale = F.quantize_do(dout, lse, row_ref, p_mode)
-    delta = (do8.float() * do_scale[..., None, None] * out.float()).sum(dim=-1)
-    return (do8, do_scale, delta, *F.backward_operands(q8, q_scale, k8, k_scale))
 
 
 def default_p_mode(fmt: str) -> str:

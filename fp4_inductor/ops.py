@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from typing import NamedTuple
 
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
@@ -288,15 +289,70 @@ def align_keys(k, v, attn_mask, key_padding):
     return k, v, F.mask_to_log2_bias(attn_mask, key_padding)
 
 
+# The host side passes quantized tensors as these bundles; the ops take them flat.
+class Quantized(NamedTuple):
+    """A tensor in 8 bits: its codes and the float32 scales they are multiplied by."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+
+
+class Operands(NamedTuple):
+    """The forward's Q, K and V as ``fp4attn::quantize`` makes them (V stored K-major)."""
+
+    q: Quantized
+    k: Quantized
+    v: Quantized
+
+    @classmethod
+    def of(cls, q8, k8, v_t, q_scale, k_scale, v_scale) -> Operands:
+        """From ``fp4attn::quantize``'s outputs (and the ops' argument order)."""
+        return cls(Quantized(q8, q_scale), Quantized(k8, k_scale), Quantized(v_t, v_scale))
+
+    def flat(self) -> tuple:
+        return self.q.codes, self.k.codes, self.v.codes, self.q.scale, self.k.scale, self.v.scale
+
+
+class GradOperands(NamedTuple):
+    """What ``fp4attn::bwd`` takes besides the forward's operands: E5M2 dO, delta =
+    rowsum(dO * O) from the quantized dO, and the E4M3 copies of Q and K."""
+
+    do: Quantized
+    delta: torch.Tensor
+    qe: Quantized
+    ke: Quantized
+
+
 def quantized_forward(q, k, v, bias, sm_scale, causal, fmt, p_mode, diagonal=0, window=0, q_documents=None,
-                      k_documents=None):
+                      k_documents=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Operands]:
     """quantize + fwd: the output, its LSE, the row reference and the quantized operands
     (what backward needs); ``sm_scale`` a number (``lowp_attention`` folds any other into Q,
     ``formats.fold_scale``)."""
-    operands = torch.ops.fp4attn.quantize(q, k, v, float(sm_scale), fmt)
-    out, lse, row_ref = torch.ops.fp4attn.fwd(*operands, bias, causal, p_mode, q.dtype, diagonal, window,
+    operands = Operands.of(*torch.ops.fp4attn.quantize(q, k, v, float(sm_scale), fmt))
+    out, lse, row_ref = torch.ops.fp4attn.fwd(*operands.flat(), bias, causal, p_mode, q.dtype, diagonal, window,
                                               q_documents, k_documents)
     return out, lse, row_ref, operands
+
+
+def grad_operands(dout, out, lse, row_ref, operands: Operands, p_mode: str) -> GradOperands:
+    """dO quantized against the forward's row reference, delta, and Q's and K's E4M3 copies
+    (aten code: Inductor fuses it into the backward graph)."""
+    do8, do_scale = F.quantize_do(dout, lse, row_ref, p_mode)
+    delta = (do8.float() * do_scale[..., None, None] * out.float()).sum(dim=-1)
+    qe, qe_scale, ke, ke_scale = F.backward_operands(*operands.q, *operands.k)
+    return GradOperands(Quantized(do8, do_scale), delta, Quantized(qe, qe_scale), Quantized(ke, ke_scale))
+
+
+def quantized_backward(grad: GradOperands, operands: Operands, bias, row_ref, sm_scale: float, causal: bool,
+                       p_mode: str, out_dtype, grads_contiguous: bool, diagonal=0, window=0, q_documents=None,
+                       k_documents=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dQ, dK, dV by ``fp4attn::bwd``.  Ke's scales are read by dQ's product alone: with the
+    softmax scale folded into them the op returns dQ w.r.t. Q itself, rounded to its dtype
+    once, and no elementwise kernel rescales it after."""
+    (q8, k8, v_t, q_scale, k_scale, v_scale), (ke, ke_scale) = operands.flat(), grad.ke
+    return torch.ops.fp4attn.bwd(*grad.do, grad.delta, q8, k8, v_t, q_scale, k_scale, v_scale, *grad.qe, ke,
+                                 ke_scale * sm_scale, bias, row_ref, causal, p_mode, out_dtype, grads_contiguous,
+                                 diagonal, window, q_documents, k_documents)
 
 
 @_op("by_length")

@@ -106,20 +106,18 @@ def test_dq_comes_out_with_respect_to_q():
     ``formats.backward_operands`` gives them) times that scale, within one BF16 rounding:
     attention.py folds the scale into Ke's scales, so the op rounds dQ once.  D = 128,
     whose scale is not a power of two; 80 keys, which ``ops.align_keys`` leaves as they are."""
-    from fp4_inductor.attention import backward_inputs, lowp_attention
+    from fp4_inductor.attention import lowp_attention
 
     d, sm_scale = 128, 128 ** -0.5
     q, k, v = (torch.randn(2, h, 80, d, dtype=torch.bfloat16, requires_grad=True) for h in (4, 2, 2))
     dout = torch.randn(2, 4, 80, d, dtype=torch.bfloat16)
     dq, dk, dv = torch.autograd.grad(lowp_attention(q, k, v, is_causal=True), (q, k, v), dout)
 
-    out, lse, row_ref, (q8, k8, v8t, q_scale, k_scale, v_scale) = ops.quantized_forward(
+    out, lse, row_ref, operands = ops.quantized_forward(
         q.detach(), k.detach(), v.detach(), None, sm_scale, True, "fp8", "direct")
-    bwd_in = backward_inputs(dout, out, lse, row_ref, q8, q_scale, k8, k_scale, "direct")
-    do8, do_scale, delta, qe, qe_scale, ke, ke_scale = bwd_in
-    dq_scaled, dk_op, dv_op = torch.ops.fp4attn.bwd(
-        do8, do_scale, delta, q8, k8, v8t, q_scale, k_scale, v_scale, qe, qe_scale, ke, ke_scale,
-        None, row_ref, True, "direct", torch.bfloat16)
+    grad = ops.grad_operands(dout, out, lse, row_ref, operands, "direct")
+    dq_scaled, dk_op, dv_op = ops.quantized_backward(grad, operands, None, row_ref, 1.0, True, "direct",
+                                                     torch.bfloat16, False)
     assert torch.equal(dk, dk_op) and torch.equal(dv, dv_op)
     want = dq_scaled.float() * sm_scale
     # (plus a floor for rows whose dS is all cancellation: query 0 of a causal head)

@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import common as C  # noqa: E402
 
 from fp4_inductor import kernels, ops  # noqa: E402
-from fp4_inductor.attention import backward_inputs, lowp_attention  # noqa: E402
+from fp4_inductor.attention import lowp_attention  # noqa: E402
 from fp4_inductor.kernels.triton import attention_bwd as AB  # noqa: E402
 
 CONFIGS = [{"dkdv": (8, 1), "dq": (8, 1)}, {"dkdv": (16, 1), "dq": (16, 1)}, {"dkdv": (16, 2), "dq": (16, 2)},
@@ -56,11 +56,11 @@ def bwd_operands(b, h, n, d, device="cuda"):
     q, k, v = (torch.randn(b, h, n, d, device=device, dtype=torch.bfloat16) for _ in range(3))
     out, lse, row_ref, operands = ops.quantized_forward(q, k, v, None, d ** -0.5, True, "fp8", "direct")
     dout = torch.randn_like(q)
-    q8, k8, v_t, q_scale, k_scale, v_scale = operands
-    prep = lambda: backward_inputs(dout, out, lse, row_ref, q8, q_scale, k8, k_scale, "direct")  # noqa: E731
-    do8, do_scale, delta, qe, qe_scale, ke, ke_scale = prep()
+    prep = lambda: ops.grad_operands(dout, out, lse, row_ref, operands, "direct")  # noqa: E731
+    grad = prep()
     grads = [torch.empty(b, h, n, d, device=device, dtype=torch.bfloat16) for _ in range(3)]
-    args = (do8, do_scale, delta, q8, k8, v_t, q_scale, k_scale, v_scale, qe, qe_scale, ke, ke_scale, None,
+    q8, k8, v_t, q_scale, k_scale, v_scale = operands.flat()
+    args = (*grad.do, grad.delta, q8, k8, v_t, q_scale, k_scale, v_scale, *grad.qe, *grad.ke, None,
             row_ref, True, "direct", *grads)
     return prep, args
 
