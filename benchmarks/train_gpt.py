@@ -204,7 +204,7 @@ def main() -> None:
         "config": {k: v for k, v in vars(args).items() if k != "out"},
         "corpus_bytes": data.numel(),
         # the low-precision backward: the sm_90 kernels, or the reference emulation elsewhere
-        "backward": "kernels" if kernels.has_forward_kernel(device) else "reference emulation",
+        "backward": "kernels" if kernels.kernels_run_on(device) else "reference emulation",
         "final_val_loss": final,
         "gap_vs_bf16": {arm: (loss - final["bf16"]) / final["bf16"] for arm, loss in final.items()} if "bf16" in final else {},
         "runs": runs,

@@ -9,7 +9,7 @@ import torch
 from . import config
 from .compiler import SiteRecord, rewrite
 from .eager import recording
-from .tuning import run_once
+from .probe import run_once
 
 
 @dataclasses.dataclass
@@ -76,7 +76,7 @@ def explain(model_or_fn, *args, policy: str | None = None, fmt: str | None = Non
     and report every attention site, the graph breaks and, if tracing fails, why (reported,
     not raised).  The rewritten graphs run eagerly (no Inductor compile), so this is quick;
     the decisions are the ones ``backend="fp4attn"`` makes.  Resets Dynamo's caches, as
-    ``torch._dynamo.explain`` does (``tuning.run_once``).
+    ``torch._dynamo.explain`` does (``probe.run_once``).
 
     With ``eager=True`` the model runs once as it is, without Dynamo, and the report lists
     every call of fp4_inductor's eager attention (``fp4_inductor.scaled_dot_product_attention``,

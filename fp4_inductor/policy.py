@@ -23,7 +23,7 @@ import torch
 from .attention import default_p_mode
 from .config import HYBRID, Options
 from .formats import HEAD_DIM_STEP, MAX_HEAD_DIM, MIN_HEAD_DIM, supported_head_dim
-from .kernels import bf16_backward, has_forward_kernel
+from .kernels import bf16_backward, kernels_run_on
 from .patterns.common import Site, value
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -358,9 +358,9 @@ def decide(site: Site, options: Options, tuned: dict | None = None) -> Decision:
         return Decision("bf16", "policy=never")
     device = value(site.q).device
     if options.policy == "always":
-        where = "" if has_forward_kernel(device) else " (reference emulation: no kernel for this device)"
+        where = "" if kernels_run_on(device) else " (reference emulation: no kernel for this device)"
         return Decision(options.fmt, "policy=always" + where)
-    if not has_forward_kernel(device):
+    if not kernels_run_on(device):
         return Decision("bf16", "no low-precision kernel for this device")
     shape = site_shape(site)
     keys, queries = site.key_length(), site.query_length()

@@ -25,6 +25,7 @@ from . import ops
 from ._version import __version__
 from .attention import empty_row_fill, lowp_attention
 from .patterns import find_sites, graph_modules, replace_site
+from .probe import run_once
 from .policy import MIN_MEASURED_SPEEDUP, decide, gpu_slug, hybrid_backend, prefers_hybrid, site_key, site_shape
 
 SCHEMA = 3  # 2: keys name the dtype, an added mask and the P mode; 3: the mask kind and value head dim
@@ -191,37 +192,6 @@ def _probe(q, k, v, attn_mask=None, scale=None, is_causal=False, *, fmt, p_mode,
         entry["path"] = "bf16"
     results[key] = entry
     return ref.detach()
-
-
-def run_once(model_or_fn, backend, *args, **kwargs) -> None:
-    """Run ``model_or_fn`` once under Dynamo with ``backend``: the probe of ``explain()``
-    and ``tune()``.  As ``torch._dynamo.explain`` does, Dynamo's caches are reset before
-    (a cached frame would skip the backend) and after: each probe's frames would
-    otherwise count toward Dynamo's recompile limit on the model's ``forward``, past which
-    compiled models silently run eagerly.  The reset is process-wide: functions compiled
-    before recompile on their next call (CUDA graphs re-record, automatic-dynamic shapes
-    start static again).  FSDP2 modules are resharded after (``_reshard_fsdp``)."""
-    torch._dynamo.reset()
-    try:
-        torch.compile(model_or_fn, backend=backend)(*args, **kwargs)
-    finally:
-        torch._dynamo.reset()
-        _reshard_fsdp(model_or_fn)
-
-
-def _reshard_fsdp(model_or_fn) -> None:
-    """Reshard the FSDP2 modules of a probed model: FSDP2 keeps the root's parameters
-    unsharded after a forward, for the backward that follows; after a probe's forward
-    alone, the next optimizer step would update the shards and leave the next forward
-    reading the stale unsharded copy (a different loss curve on two CPU ranks,
-    tests/test_parallel.py)."""
-    if not (isinstance(model_or_fn, torch.nn.Module) and torch.distributed.is_available()):
-        return
-    from torch.distributed.fsdp import FSDPModule
-
-    for module in model_or_fn.modules():
-        if isinstance(module, FSDPModule):
-            module.reshard()
 
 
 def tune(model_or_fn, *args, fmt: str | None = None, min_cosine: float | None = None, rep_ms: int = 100,

@@ -62,7 +62,7 @@ def test_unmeasured_head_dim_keeps_bf16_under_auto(monkeypatch):
     from fp4_inductor.config import Options
     from test_policy import _site
 
-    monkeypatch.setattr(policy, "has_forward_kernel", lambda device: True)
+    monkeypatch.setattr(policy, "kernels_run_on", lambda device: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
     decision = policy.decide(_site(d=80, n=16384), Options())
     assert decision.path == "bf16" and "not measured on this GPU" in decision.reason

@@ -31,7 +31,7 @@ TABLE = {
 @pytest.fixture
 def fake_gpu(monkeypatch, tmp_path):
     """A CUDA-like world on the CPU: kernels 'exist', the GPU is 'Test GPU' with TABLE."""
-    monkeypatch.setattr(policy, "has_forward_kernel", lambda device: True)
+    monkeypatch.setattr(policy, "kernels_run_on", lambda device: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Test GPU")
     monkeypatch.setattr(policy, "table_for", lambda gpu: policy.CostTable.from_json(json.dumps(TABLE)))
     monkeypatch.setenv("FP4ATTN_CACHE_DIR", str(tmp_path))

@@ -38,9 +38,9 @@ def _triton_launcher(module: str, name: str):
 
 
 def _applies(q: torch.Tensor) -> bool:
-    """What every Triton kernel needs: an sm_90 device (``has_forward_kernel``, which
+    """What every Triton kernel needs: an sm_90 device (``kernels_run_on``, which
     also honours ``FP4ATTN_KERNELS=0``) and a supported head dim (``formats``)."""
-    return has_forward_kernel(q.device) and supported_head_dim(q.shape[-1])
+    return kernels_run_on(q.device) and supported_head_dim(q.shape[-1])
 
 
 def _gluon_scope(q, v_t, causal, diagonal, window, structures: bool) -> bool:
@@ -51,8 +51,9 @@ def _gluon_scope(q, v_t, causal, diagonal, window, structures: bool) -> bool:
     return d in (64, 128) and v_t.shape[-2] == d and (structures or not (causal and (diagonal or window)))
 
 
-def has_forward_kernel(device: torch.device) -> bool:
-    """Whether low-precision forward kernels run on this device (the policy asks this)."""
+def kernels_run_on(device: torch.device) -> bool:
+    """Whether our kernels (quantize, forward and backward) run on this device: sm_90, and
+    ``FP4ATTN_KERNELS`` not 0.  Elsewhere the ops compute the same numbers by the reference."""
     if os.environ.get("FP4ATTN_KERNELS", "1") == "0" or device.type != "cuda":
         return False
     return _is_sm90(device.index if device.index is not None else torch.cuda.current_device())
