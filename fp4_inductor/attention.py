@@ -15,7 +15,7 @@ import torch
 
 from . import documents
 from . import formats as F
-from . import ops
+from . import quantized
 
 
 def refuse_double_backward():
@@ -30,7 +30,7 @@ def refuse_double_backward():
 class _LowPrecisionAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, bias, sm_scale, causal, fmt, p_mode, diagonal, window, q_documents, k_documents):
-        out, lse, row_ref, operands = ops.quantized_forward(q, k, v, bias, sm_scale, causal, fmt, p_mode,
+        out, lse, row_ref, operands = quantized.quantized_forward(q, k, v, bias, sm_scale, causal, fmt, p_mode,
                                                             diagonal, window, q_documents, k_documents)
         ctx.save_for_backward(*operands.flat(), bias, out, lse, row_ref, q_documents, k_documents)
         ctx.sm_scale, ctx.causal, ctx.p_mode, ctx.structure = sm_scale, causal, p_mode, (diagonal, window)
@@ -43,10 +43,10 @@ class _LowPrecisionAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _):
         refuse_double_backward()
-        *quantized, bias, out, lse, row_ref, q_documents, k_documents = ctx.saved_tensors
-        operands = ops.Operands.of(*quantized)
-        grad = ops.grad_operands(dout, out, lse, row_ref, operands, ctx.p_mode)
-        dq, dk, dv = ops.quantized_backward(grad, operands, bias, row_ref, ctx.sm_scale, ctx.causal, ctx.p_mode,
+        *flat, bias, out, lse, row_ref, q_documents, k_documents = ctx.saved_tensors
+        operands = quantized.Operands.of(*flat)
+        grad = quantized.grad_operands(dout, out, lse, row_ref, operands, ctx.p_mode)
+        dq, dk, dv = quantized.quantized_backward(grad, operands, bias, row_ref, ctx.sm_scale, ctx.causal, ctx.p_mode,
                                             dout.dtype, ctx.grads_contiguous, *ctx.structure, q_documents,
                                             k_documents)
         return dq, dk, dv, None, None, None, None, None, None, None, None, None
@@ -59,8 +59,8 @@ class _HybridAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, attn_mask, key_padding, sm_scale, causal, fmt, p_mode, diagonal, window):
-        k_op, v_op, bias = ops.align_keys(k, v, attn_mask, key_padding)
-        out, lse = ops.quantized_forward(q, k_op, v_op, bias, sm_scale, causal, fmt, p_mode, diagonal, window)[:2]
+        k_op, v_op, bias = quantized.align_keys(k, v, attn_mask, key_padding)
+        out, lse = quantized.quantized_forward(q, k_op, v_op, bias, sm_scale, causal, fmt, p_mode, diagonal, window)[:2]
         if k_op is not k:  # the backward's bias without the padding keys (None without masks)
             bias = F.mask_to_log2_bias(attn_mask, key_padding)
         ctx.save_for_backward(q, k, v, bias, out, real_scores_lse(lse, q, k_op, sm_scale, p_mode))
@@ -198,7 +198,7 @@ def lowp_attention(
                                           diagonal, window)
         empty = lse == -math.inf
     else:
-        k_op, v_op, bias = ops.align_keys(k, v, attn_mask, key_padding)
+        k_op, v_op, bias = quantized.align_keys(k, v, attn_mask, key_padding)
         out, lse = _LowPrecisionAttention.apply(q, k_op, v_op, bias, scale, is_causal, fmt, p_mode, diagonal, window,
                                                 q_documents, documents.pad_keys(k_documents, k_op.shape[-2]))
         empty = lse == -math.inf

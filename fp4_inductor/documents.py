@@ -71,7 +71,7 @@ def query_ranges(q_documents: torch.Tensor, k_documents: torch.Tensor, block_n: 
 
 
 def pad_keys(k_documents: torch.Tensor | None, nk: int) -> torch.Tensor | None:
-    """Key ids for ``nk`` keys, the appended ones (``ops.align_keys``' padding, masked by
+    """Key ids for ``nk`` keys, the appended ones (``quantized.align_keys``' padding, masked by
     its key padding) repeating the last id, which keeps sorted ids sorted."""
     if k_documents is None or statically_known_true(k_documents.shape[1] == nk):  # no guard on a symbolic length
         return k_documents

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from . import config
-from . import ops
+from . import quantized
 from ._version import __version__
 from .attention import empty_row_fill, lowp_attention
 from .patterns import find_sites, graph_modules, replace_site
@@ -162,7 +162,7 @@ def _probe(q, k, v, attn_mask=None, scale=None, is_causal=False, *, fmt, p_mode,
     q, k, v = (t.detach().requires_grad_(training) for t in (q, k, v))
 
     def bf16():
-        out, empty = ops.sdpa_with_structure(q, k, v, attn_mask, scale, is_causal, **structure)
+        out, empty = quantized.sdpa_with_structure(q, k, v, attn_mask, scale, is_causal, **structure)
         out = empty_row_fill(out, empty, v, empty_rows, attn_mask)
         if training:
             out.backward(torch.ones_like(out))

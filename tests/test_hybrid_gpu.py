@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from fp4_inductor import ops, reference
+from fp4_inductor import quantized, reference
 from fp4_inductor.attention import lowp_attention, real_scores_lse
 from fp4_inductor.formats import mask_to_log2_bias
 from fp4_inductor.kernels import bf16_backward
@@ -85,7 +85,7 @@ def test_hybrid_gradients_against_fp64(causal):
     for name, t, leaf in zip("qkv", (q, k, v), leaves):
         assert rel_l2(t.grad, leaf.grad) < 0.05, (name, rel_l2(t.grad, leaf.grad))
     # The reference's emulation of the kernels from the same forward (deterministic).
-    out8, lse8 = ops.quantized_forward(q.detach(), k.detach(), v.detach(), None, 1 / math.sqrt(d), causal, "fp8",
+    out8, lse8 = quantized.quantized_forward(q.detach(), k.detach(), v.detach(), None, 1 / math.sqrt(d), causal, "fp8",
                                        "direct")[:2]
     lse = real_scores_lse(lse8, q.detach(), k.detach(), 1 / math.sqrt(d), "direct")
     want = reference.bf16_attention_backward(dout, q.detach(), k.detach(), v.detach(), out8, lse, None,

@@ -417,7 +417,7 @@ def test_lowp_attention_end_to_end(fmt, p_mode, max_rel_l2, min_cos, causal, n):
 
 @pytest.mark.parametrize("train", [False, True])
 def test_unaligned_key_count_runs_the_gluon_kernels(train):
-    """2056 keys, not a multiple of ops.KEY_ALIGN (a Wan2.1 480p video has 32760): padded
+    """2056 keys, not a multiple of quantized.KEY_ALIGN (a Wan2.1 480p video has 32760): padded
     to 2064 and masked as key padding, the call runs the Gluon forward (and backward)
     rather than the Triton kernel's byte loads of V^T (14x slower at 32760 keys); output
     and gradients against float32 SDPA within the fp8 path's bounds."""

@@ -14,7 +14,7 @@ from attention_checks import (assert_faults_rejected, assert_within_reference_er
 from helpers import cosine, fwd_inputs, op_calls, rel_l2
 
 B, N = 2, 24
-NK = 32  # the keys the op sees: N padded to a multiple of ops.KEY_ALIGN, the padding masked
+NK = 32  # the keys the op sees: N padded to a multiple of quantized.KEY_ALIGN, the padding masked
 PAD = 5  # left padding of the second sequence
 QK_GAIN = 5.0  # scores of std about 3 (attention_checks.peaked_hf)
 
@@ -207,7 +207,7 @@ class TrilMasked(torch.nn.Module):
 @pytest.mark.parametrize("window", [0, 7])
 def test_handwritten_tril_mask_is_causal(window):
     module = TrilMasked(window).eval()
-    x = torch.randn(B, 48, 64)  # a multiple of ops.KEY_ALIGN: no key-padding row either
+    x = torch.randn(B, 48, 64)  # a multiple of quantized.KEY_ALIGN: no key-padding row either
     report = fp4_inductor.explain(module, x, policy="always")
     assert [s.mask for s in report.sites] == [f"window {window}" if window else "causal"], str(report)
     torch._dynamo.reset()

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fp4_inductor import formats as F
-from fp4_inductor import ops
+from fp4_inductor import ops, quantized
 from fp4_inductor.formats import mask_to_log2_bias
 from helpers import bits
 
@@ -105,7 +105,7 @@ def test_dq_comes_out_with_respect_to_q():
     """lowp_attention's dQ is the op's dQ for Q times the softmax scale (Ke's scales as
     ``formats.backward_operands`` gives them) times that scale, within one BF16 rounding:
     attention.py folds the scale into Ke's scales, so the op rounds dQ once.  D = 128,
-    whose scale is not a power of two; 80 keys, which ``ops.align_keys`` leaves as they are."""
+    whose scale is not a power of two; 80 keys, which ``quantized.align_keys`` leaves as they are."""
     from fp4_inductor.attention import lowp_attention
 
     d, sm_scale = 128, 128 ** -0.5
@@ -113,10 +113,10 @@ def test_dq_comes_out_with_respect_to_q():
     dout = torch.randn(2, 4, 80, d, dtype=torch.bfloat16)
     dq, dk, dv = torch.autograd.grad(lowp_attention(q, k, v, is_causal=True), (q, k, v), dout)
 
-    out, lse, row_ref, operands = ops.quantized_forward(
+    out, lse, row_ref, operands = quantized.quantized_forward(
         q.detach(), k.detach(), v.detach(), None, sm_scale, True, "fp8", "direct")
-    grad = ops.grad_operands(dout, out, lse, row_ref, operands, "direct")
-    dq_scaled, dk_op, dv_op = ops.quantized_backward(grad, operands, None, row_ref, 1.0, True, "direct",
+    grad = quantized.grad_operands(dout, out, lse, row_ref, operands, "direct")
+    dq_scaled, dk_op, dv_op = quantized.quantized_backward(grad, operands, None, row_ref, 1.0, True, "direct",
                                                      torch.bfloat16, False)
     assert torch.equal(dk, dk_op) and torch.equal(dv, dv_op)
     want = dq_scaled.float() * sm_scale
@@ -179,9 +179,9 @@ def test_by_length_branches_on_the_call_s_key_length(nk, mask):
     causal = torch.ones(33, nk, dtype=torch.bool).tril()
     visible = causal if mask is None else causal & keep if mask == "bool" else causal & (attn_mask > -7.3e5)
     assert torch.equal(empty, ~visible.expand(2, 4, 33, nk).any(-1))  # rows with no visible key, either branch
-    if nk >= 100:  # 150 keys: padded to 160 by ops.align_keys
-        k, v, bias = ops.align_keys(k, v, attn_mask, None)
-        want = ops.quantized_forward(q, k, v, bias, 0.125, True, "fp8", "direct")[0]
+    if nk >= 100:  # 150 keys: padded to 160 by quantized.align_keys
+        k, v, bias = quantized.align_keys(k, v, attn_mask, None)
+        want = quantized.quantized_forward(q, k, v, bias, 0.125, True, "fp8", "direct")[0]
     else:
         sdpa_mask = attn_mask.to(q.dtype) if mask == "additive" else attn_mask
         want = torch.nn.functional.scaled_dot_product_attention(
@@ -192,7 +192,7 @@ def test_by_length_branches_on_the_call_s_key_length(nk, mask):
 
 @pytest.mark.parametrize("mask", [None, "bool", "additive"])
 def test_unaligned_keys_attend_to_their_own_keys(mask):
-    """150 keys (not a multiple of ops.KEY_ALIGN): the op sees 160, the 10 zero keys
+    """150 keys (not a multiple of quantized.KEY_ALIGN): the op sees 160, the 10 zero keys
     appended masked off, with the caller's mask and key padding alike.  Output and
     gradients against float64 SDPA over the 150 keys.  The real scores sit near -10 and a
     zero key scores 0, so a padded key that leaked in would take most of each row's

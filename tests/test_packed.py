@@ -247,7 +247,7 @@ def test_flex_attention_trains(monkeypatch, fresh_seed):
 @pytest.mark.parametrize("padded", [False, True], ids=["no-padding", "key-padding"])
 def test_length_sweep_compiles_no_more_graphs_than_bf16(padded):
     """Lengths that are multiples of 16 and others, under ``dynamic=None``: the key
-    alignment (``ops.align_keys``) adds no guard on ``(-N) % 16``, so low precision
+    alignment (``quantized.align_keys``) adds no guard on ``(-N) % 16``, so low precision
     compiles as many graphs as BF16 (the first length static, one dynamic graph after)."""
 
     def attend(q, k, v, keep):

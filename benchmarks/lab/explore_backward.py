@@ -32,7 +32,7 @@ from triton.testing import do_bench
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: common
 import common as C  # noqa: E402
 
-from fp4_inductor import kernels, ops  # noqa: E402
+from fp4_inductor import kernels, quantized  # noqa: E402
 from fp4_inductor.attention import lowp_attention  # noqa: E402
 from fp4_inductor.kernels.triton import attention_bwd as AB  # noqa: E402
 
@@ -54,9 +54,9 @@ def bwd_operands(b, h, n, d, device="cuda"):
     """The preparation (dO quantization and the rest, as a callable) and ``attention_backward``'s
     positional arguments for a causal direct-P call on Gaussian inputs."""
     q, k, v = (torch.randn(b, h, n, d, device=device, dtype=torch.bfloat16) for _ in range(3))
-    out, lse, row_ref, operands = ops.quantized_forward(q, k, v, None, d ** -0.5, True, "fp8", "direct")
+    out, lse, row_ref, operands = quantized.quantized_forward(q, k, v, None, d ** -0.5, True, "fp8", "direct")
     dout = torch.randn_like(q)
-    prep = lambda: ops.grad_operands(dout, out, lse, row_ref, operands, "direct")  # noqa: E731
+    prep = lambda: quantized.grad_operands(dout, out, lse, row_ref, operands, "direct")  # noqa: E731
     grad = prep()
     grads = [torch.empty(b, h, n, d, device=device, dtype=torch.bfloat16) for _ in range(3)]
     q8, k8, v_t, q_scale, k_scale, v_scale = operands.flat()

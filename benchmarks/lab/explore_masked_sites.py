@@ -3,7 +3,7 @@ within 5 % of the unmasked kernel): key padding (``kernels/triton/key_bias.py``)
 4096-key sliding window, P mode direct.  Per case: the Gluon forward with the mask, the
 Triton kernel on the same mask (which ran every padded site before), the Gluon kernel
 without it (plain causal for the window) on the same quantized operands; what the backend
-runs (``ops.quantized_forward``: quantization, the bias, the dispatch); the peers: torch's
+runs (``quantized.quantized_forward``: quantization, the bias, the dispatch); the peers: torch's
 BF16 SDPA on the dense boolean mask an HF model in sdpa mode builds (what such a site
 falls back to) and FlashAttention-4 BF16 (``fa4_peer``: varlen for padding, its own
 window), where installed.
@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common as C  # noqa: E402
 
 from fp4_inductor import formats as F  # noqa: E402
-from fp4_inductor.ops import quantized_forward  # noqa: E402
+from fp4_inductor.quantized import quantized_forward  # noqa: E402
 from fp4_inductor.kernels.gluon import attention_fwd as G  # noqa: E402
 from fp4_inductor.kernels.triton import attention_fwd as A  # noqa: E402
 
