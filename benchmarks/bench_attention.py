@@ -13,8 +13,9 @@ triton.testing.do_bench medians:
     "ours-exp-gluon": the kernel the op does not pick for that mode, on the same operands
     (Direct-P against exp within each kernel structure);
   - torch SDPA BF16 on the cuDNN and flash backends, FlashAttention-4 (flash_attn.cute)
-    BF16, cuDNN FP8 (cudnn frontend sdpa_fp8, plain cast, FP8 out); a peer whose package
-    is missing is recorded as "not installed".
+    BF16, cuDNN FP8 (cudnn frontend sdpa_fp8, plain cast, FP8 out), SageAttention 1
+    (``sageattention``, INT8 Q/K); a peer whose package is missing is recorded as "not
+    installed".
 Accuracy: rel-L2 and cosine of each output against float32 SDPA on the same inputs.
 FLOPs 4 B H N^2 D, half when causal.  Writes benchmarks/results/forward_h200.json
 and .png (TFLOP/s and speedup over FA4 vs N, per D and causal).
@@ -148,6 +149,21 @@ def cudnn_fp8(q, k, v, causal):
     return run
 
 
+def sage(q, k, v, causal):
+    """SageAttention 1 (the ``sageattention`` 1.0.6 wheel, pure Triton): INT8 Q/K with K's
+    mean subtracted, FP16 P·V; the drop-in diffusion users pick."""
+    try:
+        from sageattention import sageattn
+    except ImportError:
+        return NOT_INSTALLED
+
+    def run():
+        return sageattn(q, k, v, tensor_layout="HND", is_causal=causal, smooth_k=True)
+
+    run()
+    return run
+
+
 def methods():
     rows = {}
     for mode in MODES:
@@ -159,6 +175,7 @@ def methods():
     rows["sdpa-flash-bf16"] = sdpa("FLASH_ATTENTION")
     rows["fa4-bf16"] = fa4
     rows["cudnn-fp8"] = cudnn_fp8
+    rows["sage-int8"] = sage
     return rows
 
 
