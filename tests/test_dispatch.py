@@ -34,10 +34,11 @@ def launched(monkeypatch):
     return calls
 
 
-def _launch(p_mode, causal, nq, nk, bias=None, d=128, diagonal=0, window=0, b=2, h=8):
+def _launch(p_mode, causal, nq, nk, bias=None, d=128, diagonal=0, window=0, b=2, h=8, documents=False):
     q, k, v_t = torch.empty(b, h, nq, d), torch.empty(b, h, nk, d), torch.empty(b, h, d, nk)
     rows = torch.empty(b, h, nq)
-    kernels._forward(q, k, v_t, rows, None, None, bias, causal, p_mode, q, rows, rows, diagonal, window)
+    ids = (torch.zeros(b, nq, dtype=torch.long), torch.zeros(b, nk, dtype=torch.long)) if documents else (None, None)
+    kernels._forward(q, k, v_t, rows, None, None, bias, causal, p_mode, q, rows, rows, diagonal, window, *ids)
 
 
 @pytest.mark.parametrize("p_mode,causal,nq,nk,bias,expected,extra", [
@@ -59,6 +60,7 @@ def _launch(p_mode, causal, nq, nk, bias=None, d=128, diagonal=0, window=0, b=2,
     ("direct", True, 4096, 4096, None, "gluon", {}),
     ("direct", True, 4096, 4096, None, "triton", {"d": 64}),
     ("direct", False, 4096, 4096, torch.zeros(1), "triton", {}),  # outside the Gluon kernel's scope
+    ("direct", True, 4096, 4096, None, "triton", {"documents": True}),  # document ids: not yet measured on Gluon
     ("exp", False, 8192, 8192, None, "triton", {}),  # measured faster on Triton
     ("fp4", False, 8192, 8192, None, "triton", {}),
 ])
@@ -204,3 +206,24 @@ def test_backward_kernels_share_one_key_rows(gluon_takes, monkeypatch, fresh_see
 
     assert len(seen) == 2 and isinstance(seen[0], key_bias.KeyRows) and seen[0] is seen[1]
     assert ranges_launched == [F.KEY_TILE]
+
+
+@pytest.mark.parametrize("documents", [False, True])
+def test_backward_offers_the_gluon_kernels_no_document_ids(documents, monkeypatch):
+    """In the Gluon backward's scope (D = 128, P mode direct, no offset) the launcher gets
+    both Gluon hooks, and none with document ids (not yet measured there); the ids reach
+    the Triton launcher either way."""
+    seen = {}
+
+    def attention_backward(*args, **kwargs):
+        seen.update(kwargs)
+
+    monkeypatch.setattr(kernels, "_module", lambda family, name: types.SimpleNamespace(
+        attention_backward=attention_backward))
+    b, h, n, d = 2, 4, 256, 128
+    t, rows = torch.empty(b, h, n, d), torch.empty(b, h, n)
+    ids = torch.zeros(b, n, dtype=torch.long) if documents else None
+    kernels._backward(t, rows, rows, t, t, torch.empty(b, h, d, n), rows, rows, rows, t, rows, t, rows, None, rows,
+                      True, "direct", t, t, t, q_documents=ids, k_documents=ids)
+    assert seen["q_documents"] is ids and seen["k_documents"] is ids
+    assert (seen["dq_kernel"] is None) == documents and (seen["dkdv_kernel"] is None) == documents

@@ -43,12 +43,14 @@ def _applies(q: torch.Tensor) -> bool:
     return kernels_run_on(q.device) and supported_head_dim(q.shape[-1])
 
 
-def _gluon_scope(q, v_t, causal, diagonal, window, structures: bool) -> bool:
+def _gluon_scope(q, v_t, causal, diagonal, window, structures: bool, documents) -> bool:
     """What the Gluon kernels cover besides their own ``supports``: D in {64, 128} for Q,
     K and V alike; the backward kernels (``structures=False``) no causal structure but
-    SDPA's top-left one, the forward any (``formats.visible``)."""
+    SDPA's top-left one, the forward any (``formats.visible``); no document ids (not yet
+    measured there)."""
     d = q.shape[-1]
-    return d in (64, 128) and v_t.shape[-2] == d and (structures or not (causal and (diagonal or window)))
+    return (d in (64, 128) and v_t.shape[-2] == d and documents is None
+            and (structures or not (causal and (diagonal or window))))
 
 
 def kernels_run_on(device: torch.device) -> bool:
@@ -125,15 +127,12 @@ def _run_gluon(module: str, what: str, launch: str, supports_args: tuple, args: 
 def _forward(q, k, v_t, q_scale, k_scale, v_scale, bias, causal, p_mode, out, lse, row_ref, diagonal=0, window=0,
              q_documents=None, k_documents=None):
     args = (q, k, v_t, q_scale, k_scale, v_scale, bias, causal, p_mode, out, lse, row_ref, diagonal, window)
-    if q_documents is not None:  # the Gluon kernels take no documents (not yet measured): Triton
-        _module("triton", "attention_fwd").attention_forward(*args, q_documents, k_documents)
-        return
-    if p_mode == "direct" and _gluon_scope(q, v_t, causal, diagonal, window, structures=True) \
+    if p_mode == "direct" and _gluon_scope(q, v_t, causal, diagonal, window, True, q_documents) \
             and _gluon_wins(q, k, causal, window) \
             and _run_gluon("attention_fwd", "forward", "attention_forward",
                            (q, k, v_t, q_scale, bias, p_mode, lse, row_ref), args):
         return
-    _module("triton", "attention_fwd").attention_forward(*args)
+    _module("triton", "attention_fwd").attention_forward(*args, q_documents, k_documents)
 
 
 def backward_kernel(q: torch.Tensor, p_mode: str):
@@ -166,7 +165,7 @@ def _gluon_dkdv(do, do_t, do_scale, delta, q, qe_t, qe_scale, k, v, q_scale, k_s
 
 def _backward(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale, qe, qe_scale, ke, ke_scale, bias, row_ref,
               causal, p_mode, dq, dk, dv, diagonal=0, window=0, q_documents=None, k_documents=None):
-    gluon = _gluon_scope(q, v_t, causal, diagonal, window, structures=False) and q_documents is None
+    gluon = _gluon_scope(q, v_t, causal, diagonal, window, False, q_documents)
     _module("triton", "attention_bwd").attention_backward(
         do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale, qe, qe_scale, ke, ke_scale, bias, row_ref, causal,
         p_mode, dq, dk, dv, diagonal=diagonal, window=window, q_documents=q_documents, k_documents=k_documents,
