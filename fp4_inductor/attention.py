@@ -31,7 +31,7 @@ class _LowPrecisionAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, bias, sm_scale, causal, fmt, p_mode, diagonal, window, q_documents, k_documents):
         out, lse, row_ref, operands = quantized.quantized_forward(q, k, v, bias, sm_scale, causal, fmt, p_mode,
-                                                            diagonal, window, q_documents, k_documents)
+                                                                  diagonal, window, q_documents, k_documents)
         ctx.save_for_backward(*operands.flat(), bias, out, lse, row_ref, q_documents, k_documents)
         ctx.sm_scale, ctx.causal, ctx.p_mode, ctx.structure = sm_scale, causal, p_mode, (diagonal, window)
         # Gradients in the inputs' layout: contiguous inputs (leaves, say) get contiguous
@@ -46,9 +46,9 @@ class _LowPrecisionAttention(torch.autograd.Function):
         *flat, bias, out, lse, row_ref, q_documents, k_documents = ctx.saved_tensors
         operands = quantized.Operands.of(*flat)
         grad = quantized.grad_operands(dout, out, lse, row_ref, operands, ctx.p_mode)
-        dq, dk, dv = quantized.quantized_backward(grad, operands, bias, row_ref, ctx.sm_scale, ctx.causal, ctx.p_mode,
-                                            dout.dtype, ctx.grads_contiguous, *ctx.structure, q_documents,
-                                            k_documents)
+        dq, dk, dv = quantized.quantized_backward(grad, operands, bias, row_ref, ctx.sm_scale, ctx.causal,
+                                                  ctx.p_mode, dout.dtype, ctx.grads_contiguous, *ctx.structure,
+                                                  q_documents, k_documents)
         return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
 

@@ -2,9 +2,9 @@
 Dynamo keeps as one opaque ``F.multi_head_attention_forward`` call.
 
 The replacement, ``runtime.mha_lowp``, does what that function does on its common path
-(in-projection, heads, attention, out-projection) with ``lowp_attention`` for the attention.  Sites that need
-the averaged weights, ``bias_k``/``bias_v``, ``add_zero_attn``, static K/V or dropout in
-training stay as written.
+(in-projection, heads, attention, out-projection) with ``lowp_attention`` for the
+attention.  Sites that need the averaged weights, ``bias_k``/``bias_v``, ``add_zero_attn``,
+static K/V or dropout in training stay as written.
 """
 
 from __future__ import annotations
