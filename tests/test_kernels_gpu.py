@@ -481,3 +481,43 @@ def test_cuda_graphs_replay_both_kernels():
                 ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float())
                 cos = torch.nn.functional.cosine_similarity(out.double().flatten(), ref.double().flatten(), dim=0)
                 assert cos.item() > 0.998, (n, cos.item())
+
+
+def test_length_sweep_compiled_on_gpu(fresh_seed):
+    """A compiled training step over lengths that are multiples of 16 and others (keys
+    padded to 16 by ``quantized.align_keys`` on every path), causal, under ``always``: each
+    length's output and gradients against float32 SDPA within the fp8 path's bounds (those
+    of ``test_unaligned_key_count_runs_the_gluon_kernels``), no kernel falling back, and no
+    more graphs than BF16 compiles for the same sweep."""
+    import fp4_inductor
+
+    torch.manual_seed(fresh_seed)
+
+    def attend(q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    graphs = {}
+    for policy in ("never", "always"):
+        torch._dynamo.reset()
+        counters = torch._dynamo.utils.counters
+        counters.clear()
+        compiled = torch.compile(attend, backend="fp4attn")
+        with fp4_inductor.configure(policy=policy), warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)  # a kernel failure would warn and fall back
+            for n in (2048, 2056, 3000, 3072, 4097):
+                q, k, v = (torch.randn(1, 8, n, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                           for _ in range(3))
+                dout = torch.randn(1, 8, n, 128, device="cuda", dtype=torch.bfloat16)
+                out = compiled(q, k, v)
+                got = torch.autograd.grad(out, (q, k, v), dout)
+                if policy == "never":
+                    continue
+                exact = [t.detach().float().requires_grad_() for t in (q, k, v)]
+                want = attend(*exact)
+                wants = torch.autograd.grad(want, exact, dout.float())
+                rel = ((out.double() - want.double()).norm() / want.double().norm()).item()
+                assert rel <= 0.06, (n, rel)
+                for g, w in zip(got, wants):
+                    assert ((g.double() - w.double()).norm() / w.double().norm()).item() <= 0.11, n
+        graphs[policy] = counters["stats"]["unique_graphs"]
+    assert graphs["always"] == graphs["never"], graphs
