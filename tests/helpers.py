@@ -20,6 +20,18 @@ def rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
+def compiled_graphs(fn, policy: str, run) -> int:
+    """How many graphs Dynamo compiles, from a fresh start, while ``run(compiled)`` calls
+    ``fn`` compiled with ``backend="fp4attn"`` under ``policy``."""
+    import fp4_inductor
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    with fp4_inductor.configure(policy=policy):
+        run(torch.compile(fn, backend="fp4attn"))
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
 def cosine(out: torch.Tensor, ref: torch.Tensor) -> float:
     return torch.nn.functional.cosine_similarity(out.double().flatten(), ref.double().flatten(), dim=0).item()
 

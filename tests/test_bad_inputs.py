@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import fp4_inductor
-from helpers import cosine, op_calls
+from helpers import compiled_graphs, cosine, op_calls
 
 
 def _sdpa(q, k, v, **kw):
@@ -189,14 +189,11 @@ def test_length_sweep_compiles_no_more_graphs_than_never():
     def attend(q, k, v):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
-    graphs = {}
-    for policy in ("never", "always"):
-        torch._dynamo.reset()
-        torch._dynamo.utils.counters.clear()
-        compiled = torch.compile(attend, backend="fp4attn")
-        with torch.no_grad(), fp4_inductor.configure(policy=policy):
+    def sweep(compiled):
+        with torch.no_grad():
             for n in (16, 7, 113, 203, 300, 1023):
                 q = torch.randn(1, 2, n, 32)
                 compiled(q, q, q)
-        graphs[policy] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+    graphs = {policy: compiled_graphs(attend, policy, sweep) for policy in ("never", "always")}
     assert graphs["always"] <= graphs["never"], graphs

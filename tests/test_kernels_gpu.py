@@ -32,7 +32,7 @@ import torch
 
 from fp4_inductor import formats as F
 from fp4_inductor import reference as R
-from helpers import quantized_operands
+from helpers import compiled_graphs, quantized_operands, rel_l2
 
 pytestmark = [pytest.mark.gpu, pytest.mark.sm90]
 
@@ -489,20 +489,13 @@ def test_length_sweep_compiled_on_gpu(fresh_seed):
     length's output and gradients against float32 SDPA within the fp8 path's bounds (those
     of ``test_unaligned_key_count_runs_the_gluon_kernels``), no kernel falling back, and no
     more graphs than BF16 compiles for the same sweep."""
-    import fp4_inductor
-
     torch.manual_seed(fresh_seed)
 
     def attend(q, k, v):
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
 
-    graphs = {}
-    for policy in ("never", "always"):
-        torch._dynamo.reset()
-        counters = torch._dynamo.utils.counters
-        counters.clear()
-        compiled = torch.compile(attend, backend="fp4attn")
-        with fp4_inductor.configure(policy=policy), warnings.catch_warnings():
+    def sweep(compiled, check):
+        with warnings.catch_warnings():
             warnings.simplefilter("error", RuntimeWarning)  # a kernel failure would warn and fall back
             for n in (2048, 2056, 3000, 3072, 4097):
                 q, k, v = (torch.randn(1, 8, n, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -510,14 +503,14 @@ def test_length_sweep_compiled_on_gpu(fresh_seed):
                 dout = torch.randn(1, 8, n, 128, device="cuda", dtype=torch.bfloat16)
                 out = compiled(q, k, v)
                 got = torch.autograd.grad(out, (q, k, v), dout)
-                if policy == "never":
+                if not check:
                     continue
                 exact = [t.detach().float().requires_grad_() for t in (q, k, v)]
                 want = attend(*exact)
-                wants = torch.autograd.grad(want, exact, dout.float())
-                rel = ((out.double() - want.double()).norm() / want.double().norm()).item()
-                assert rel <= 0.06, (n, rel)
-                for g, w in zip(got, wants):
-                    assert ((g.double() - w.double()).norm() / w.double().norm()).item() <= 0.11, n
-        graphs[policy] = counters["stats"]["unique_graphs"]
+                assert rel_l2(out, want) <= 0.06, (n, rel_l2(out, want))
+                for g, w in zip(got, torch.autograd.grad(want, exact, dout.float())):
+                    assert rel_l2(g, w) <= 0.11, n
+
+    graphs = {policy: compiled_graphs(attend, policy, lambda compiled: sweep(compiled, policy == "always"))
+              for policy in ("never", "always")}
     assert graphs["always"] == graphs["never"], graphs

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 import fp4_inductor
 from fp4_inductor import documents as D
 from fp4_inductor.attention import lowp_attention
-from helpers import cosine, documents_of, fwd_inputs, rel_l2
+from helpers import compiled_graphs, cosine, documents_of, fwd_inputs, rel_l2
 
 LENGTHS = ((70, 20, 110, 56), (40, 130, 86))  # 4 and 3 documents of unequal lengths, 256 tokens a row
 
@@ -253,20 +253,16 @@ def test_length_sweep_compiles_no_more_graphs_than_bf16(padded):
     def attend(q, k, v, keep):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=keep[:, None, None, :] if padded else None)
 
-    graphs = {}
-    for policy in ("never", "always"):
-        torch._dynamo.reset()
-        counters = torch._dynamo.utils.counters
-        counters.clear()
-        compiled = torch.compile(attend, backend="fp4attn")
-        with torch.no_grad(), fp4_inductor.configure(policy=policy):
+    def sweep(compiled):
+        with torch.no_grad():
             for n in (40, 48, 57, 64, 80, 99):
                 q, k, v = (torch.randn(1, 2, n, 32) for _ in range(3))
                 keep = torch.rand(1, n) > 0.2
                 keep[:, 0] = True
                 out = compiled(q, k, v, keep)
                 assert out.shape == q.shape and not out.isnan().any()
-        graphs[policy] = counters["stats"]["unique_graphs"]
+
+    graphs = {policy: compiled_graphs(attend, policy, sweep) for policy in ("never", "always")}
     assert graphs["always"] == graphs["never"], graphs
 
 

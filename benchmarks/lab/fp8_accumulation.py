@@ -27,6 +27,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: common
 import common as C  # noqa: E402
+from lab.grad_error_budget import rel_l2  # noqa: E402
 
 from fp4_inductor import formats as F  # noqa: E402
 from fp4_inductor import reference as R  # noqa: E402
@@ -56,26 +57,26 @@ def codes(group: int, n: int, d: int, causal: bool, seed: int):
     return p[0].double(), do8[0].double() * do_scale[0, :, None, None].double()
 
 
-def sums(p, do, bits, mode):
-    """dV [keys, D] of one program: float64, one float32 sum a step, and the accumulator
-    model, over the group's heads in order and each head's query steps."""
+def step_sums(p, do):
+    """dV [keys, D] of one program summed in float64 and with one float32 sum a query step,
+    over the group's heads in order and each head's steps."""
     exact = torch.zeros(p.shape[-1], do.shape[-1], dtype=torch.float64)
     per_step = exact.float()
-    model = exact.clone()
     for head in range(p.shape[0]):
         for start in range(0, p.shape[1], STEP):
-            rows = slice(start, start + STEP)
-            part = p[head, rows].T @ do[head, rows]
+            part = p[head, start:start + STEP].T @ do[head, start:start + STEP]
             exact += part
             per_step += part.float()
-            for c in range(start, min(start + STEP, p.shape[1]), K_STEP):
-                chunk = slice(c, c + K_STEP)
-                model = _keep(model + p[head, chunk].T @ do[head, chunk], bits, mode)
-    return exact, per_step, model
+    return exact, per_step
 
 
-def rel(a, b):
-    return ((a.double() - b).norm() / b.norm()).item()
+def accumulator_sum(p, do, bits, mode):
+    """The same dV in the accumulator model: ``bits`` kept after each 32-deep product."""
+    model = torch.zeros(p.shape[-1], do.shape[-1], dtype=torch.float64)
+    for head in range(p.shape[0]):
+        for c in range(0, p.shape[1], K_STEP):
+            model = _keep(model + p[head, c:c + K_STEP].T @ do[head, c:c + K_STEP], bits, mode)
+    return model
 
 
 def main():
@@ -93,12 +94,10 @@ def main():
         for n in args.ns:
             for causal in (True, False):
                 p, do = codes(group, n, args.d, causal, seed=n + group)
-                row = {"group": group, "n": n, "causal": causal, "model": {}}
-                for bits in args.bits:
-                    for mode in ("cut", "rn"):
-                        exact, per_step, model = sums(p, do, bits, mode)
-                        row["fp32_per_step"] = rel(per_step, exact)
-                        row["model"][f"{mode}{bits}"] = rel(model, exact)
+                exact, per_step = step_sums(p, do)
+                row = {"group": group, "n": n, "causal": causal, "fp32_per_step": rel_l2(per_step, exact),
+                       "model": {f"{mode}{bits}": rel_l2(accumulator_sum(p, do, bits, mode), exact)
+                                 for bits in args.bits for mode in ("cut", "rn")}}
                 rows.append(row)
                 print(f"{group:5d} {n:6d} {str(causal):>6} {row['fp32_per_step']:10.2e} " +
                       " ".join(f"{row['model'][f'{m}{b}']:9.2e}" for b in args.bits for m in ("cut", "rn")),
