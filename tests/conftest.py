@@ -4,6 +4,14 @@ import pytest
 import torch
 
 
+def pytest_configure(config):
+    # Under pytest-xdist each worker's torch would start a thread per core: with -n 8 on
+    # 16 cores, 128 threads contend for the CPU references the GPU tests compute.
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+
+
 def pytest_collection_modifyitems(config, items):
     if not torch.cuda.is_available():
         skip, marker = pytest.mark.skip(reason="needs a CUDA GPU"), "gpu"
