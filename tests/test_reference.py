@@ -61,19 +61,20 @@ def test_nan_propagates_like_sdpa():
 
 
 @pytest.mark.parametrize("p_mode", ["direct", "exp"])
-def test_huge_scores_do_not_overflow(p_mode):
+def test_huge_scores_do_not_overflow(p_mode, fresh_seed):
     q, k, v = (torch.randn(1, 2, 96, 64) for _ in range(3))
     out = lowp_attention(q * 300.0, k * 300.0, v, p_mode=p_mode)  # scores around 1e4..1e5
     ref = torch.nn.functional.scaled_dot_product_attention(q.double() * 300, k.double() * 300, v.double())
     assert torch.isfinite(out).all()
     assert out.abs().max() <= v.abs().max() * 1.07  # a convex combination of (quantized) V rows
-    # Near-one-hot rows: INT8 scores (an error of about 0.4 % of |s|) may pick another
-    # winner only where the top two exact scores are that close.  Every row whose winner
-    # leads by 2 % must match (measured: the rows that differ led by at most 1.1 %); such
-    # rows are most rows (about 90 %), so the check covers them.
+    # Near-one-hot rows: INT8 scores (an error of about 0.4 % of the block's largest |s|)
+    # may pick another winner only where the top two exact scores are close.  Every row
+    # whose winner leads by 4 % must match (over 300 seeds the rows that differ led by at
+    # most 2.1 %; a 2 % margin failed one seed in 60); such rows are most rows (at least
+    # 71 %), so the check covers them.
     row_cos = torch.nn.functional.cosine_similarity(out.double(), ref, dim=-1)
     top2 = ((q.double() * 300) @ (k.double() * 300).transpose(-1, -2) / 8).topk(2, dim=-1).values
-    decided = top2[..., 0] - top2[..., 1] > 0.02 * top2[..., 0].abs()
+    decided = top2[..., 0] - top2[..., 1] > 0.04 * top2[..., 0].abs()
     assert decided.double().mean() > 0.5
     assert (row_cos[decided] > 0.99).all(), row_cos[decided].min()
 
