@@ -64,7 +64,8 @@ WORKER = textwrap.dedent(
     assert cosine(out, ref) > 0.99, cosine(out, ref)
     assert cosine(grads(model), grads(reference)) > 0.98  # averaged over both ranks
     dist.destroy_process_group()
-    print("ok")
+    print("ok", flush=True)
+    os._exit(0)  # past the checks, skip teardown: one suite run saw a worker abort there (a joinable thread)
     """
 )
 
