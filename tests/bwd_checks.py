@@ -74,10 +74,10 @@ def operands_of(quantized, bias, causal, p_mode, diagonal=0, window=0, q_documen
 
 
 def run(ops, causal, p_mode, out_dtype=torch.float32, debug=True, device="cuda", diagonal=0, window=0,
-        q_documents=None, k_documents=None, **hooks):
+        q_documents=None, k_documents=None, dispatch=False):
     """The Triton backward launcher on ``ops`` (moved to ``device``): gradients and the
-    debug dumps (P, dP, dS), on the CPU.  ``hooks``: the launcher's ``dq_kernel`` and
-    ``dkdv_kernel`` (asked only without ``debug``)."""
+    debug dumps (P, dP, dS), on the CPU.  ``dispatch``: through ``kernels._backward``
+    instead (each direction's Gluon kernel where it takes the call), without dumps."""
     b, h, nq, d = ops[3].shape
     hkv, nk, dv_dim = ops[4].shape[1], ops[4].shape[2], ops[5].shape[-2]
     # Allocated as the op does ([B, N, H, D] storage), poisoned.
@@ -88,7 +88,14 @@ def run(ops, causal, p_mode, out_dtype=torch.float32, debug=True, device="cuda",
     dev = [None if t is None else t.to(device) for t in ops]
     docs = {k: None if t is None else t.to(device) for k, t in (("q_documents", q_documents),
                                                                ("k_documents", k_documents))}
-    launcher()(*dev, causal, p_mode, dq, dk, dv, diagonal=diagonal, window=window, debug=dbg, **docs, **hooks)
+    if dispatch:
+        from fp4_inductor import kernels
+
+        assert not debug, "the Gluon kernels take no debug buffers"
+        kernels._backward(*dev, causal, p_mode, dq, dk, dv, diagonal, window, docs["q_documents"],
+                          docs["k_documents"])
+    else:
+        launcher()(*dev, causal, p_mode, dq, dk, dv, diagonal=diagonal, window=window, debug=dbg, **docs)
     if device == "cuda":
         torch.cuda.synchronize()
     # Tiles a kernel skips (wholly above the causal diagonal) hold P = dP = dS = 0.

@@ -1,8 +1,9 @@
-"""Which kernel ``kernels.forward_kernel`` and the backward's Gluon hooks run (CPU: the kernel
-modules are stand-ins)."""
+"""Which kernel ``kernels.forward_kernel`` and ``kernels.backward_kernel`` run (CPU: the
+kernel modules are stand-ins)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import types
 
@@ -77,11 +78,12 @@ def test_gluon_failure_falls_back_to_triton_once(launched):
     assert launched == ["break gluon", "triton", "triton"]
 
 
-@pytest.mark.parametrize("hook,launch,n_args,what", [("_gluon_dq", "dq_backward", 15, "dQ"),
-                                                     ("_gluon_dkdv", "dkdv_backward", 17, "dK/dV")])
-def test_gluon_backward_failure_leaves_it_to_triton_once(hook, launch, n_args, what, monkeypatch):
+@pytest.mark.parametrize("choose,launch,n_grads,what", [("_gluon_dq", "dq_backward", 1, "dQ"),
+                                                        ("_gluon_dkdv", "dkdv_backward", 2, "dK/dV")])
+def test_gluon_backward_failure_leaves_it_to_triton_once(choose, launch, n_grads, what, monkeypatch):
     """A failing Gluon backward kernel warns once and returns False (the Triton kernel then
     runs), and is not tried again; outside its scope it is not tried at all."""
+    prep = pytest.importorskip("fp4_inductor.kernels.triton.attention_bwd_prep")
     calls = []
 
     def backward(*args):
@@ -92,7 +94,8 @@ def test_gluon_backward_failure_leaves_it_to_triton_once(hook, launch, n_args, w
     gluon = types.SimpleNamespace(supports=lambda *args: in_scope["value"], **{launch: backward})
     monkeypatch.setattr(kernels, "_module", lambda family, name: gluon)
     monkeypatch.setattr(kernels, "_gluon_failed", set())
-    run = functools.partial(getattr(kernels, hook), *(None,) * n_args, bias=None, p_mode="direct")
+    operands = types.SimpleNamespace(**{f.name: None for f in dataclasses.fields(prep.BackwardOperands)})
+    run = functools.partial(getattr(kernels, choose), operands, *(None,) * n_grads, bias=None, p_mode="direct")
     assert run() is False
     assert calls == []
     in_scope["value"] = True
@@ -162,35 +165,41 @@ def test_gluon_backward_scope_and_key_bias(key_bias, monkeypatch):
 
 @pytest.mark.parametrize("gluon_takes", [True, False], ids=["gluon", "triton"])
 def test_backward_kernels_share_one_key_rows(gluon_takes, monkeypatch, fresh_seed):
-    """With a key-row bias the backward launcher builds one ``KeyRows`` and hands it to both
-    Gluon hooks: one copy of the rows and one tile-ranges launch a call, whichever kernels
-    run (the Triton ones, when the hooks decline, ask the same object)."""
+    """With a key-row bias the backward builds one ``KeyRows`` and hands it to the kernels
+    of both directions: one copy of the rows and one tile-ranges launch a call, whichever
+    kernels run (Gluon where they take the call, else Triton, which skip the same tiles)."""
     from fp4_inductor import formats as F
-    from fp4_inductor.kernels.triton import attention_bwd, key_bias
+    from fp4_inductor.kernels.triton import attention_bwd, attention_bwd_prep, key_bias
 
     torch.manual_seed(fresh_seed)
     b, h, n, d = 2, 2, 256, 64
-    ranges_launched = []
+    ranges_launched, seen = [], []
 
     def tile_ranges(rows, block_n):
         ranges_launched.append(block_n)
         return torch.zeros(rows.shape[0], 4, dtype=torch.int32)
 
-    class NoLaunch:  # a jitted kernel whose launches do nothing
+    class Recorded:  # a jitted kernel whose launches record the skip ranges they read
+        def __init__(self, kernel):
+            self.ranges = kernel.arg_names.index("RANGES")
+
         def __getitem__(self, grid):
-            return lambda *args, **kwargs: None
+            return lambda *args, **kwargs: seen.append(args[self.ranges] if kwargs["SKIP_MASKED"] else None)
 
-    monkeypatch.setattr(key_bias, "tile_ranges", tile_ranges)
-    monkeypatch.setattr(attention_bwd, "_transpose_all", lambda pairs: None)
-    for name in ("_bwd_dq_kernel", "_bwd_dkdv_kernel"):
-        monkeypatch.setattr(attention_bwd, name, NoLaunch())
-    seen = []
-
-    def hook(*args):
-        seen.append(args[-1])
-        if gluon_takes:
+    def gluon_module(name):
+        def launch(*args):
+            seen.append(args[-1])
             key_bias.launch_rows(args[-1], F.KEY_TILE, args[0])
-        return gluon_takes
+        return types.SimpleNamespace(supports=lambda *args: gluon_takes, dq_backward=launch, dkdv_backward=launch)
+
+    triton_module = kernels._module
+    monkeypatch.setattr(kernels, "_module", lambda family, name: gluon_module(name) if family == "gluon"
+                        else triton_module(family, name))
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the Gluon kernels do not run interpreted
+    monkeypatch.setattr(key_bias, "tile_ranges", tile_ranges)
+    monkeypatch.setattr(attention_bwd_prep, "_transpose_all", lambda pairs: None)
+    for name in ("_bwd_dq_kernel", "_bwd_dkdv_kernel"):
+        monkeypatch.setattr(attention_bwd, name, Recorded(getattr(attention_bwd, name)))
 
     keep = torch.arange(n) < torch.tensor([[n], [n // 2]])
     e4m3, e5m2 = F.E4M3, F.E5M2
@@ -200,11 +209,12 @@ def test_backward_kernels_share_one_key_rows(gluon_takes, monkeypatch, fresh_see
     rows = [torch.rand(b, h, n) for _ in range(3)]
     blocks = torch.rand(b, h, F.scale_blocks(n))
     grads = [torch.empty(b, h, n, d, dtype=torch.bfloat16) for _ in range(3)]
-    attention_bwd.attention_backward(
+    kernels._backward(
         do8, torch.rand(b, h), rows[0], q8, k8, v_t, rows[1], blocks, torch.rand(b, h), qe, blocks, ke, blocks,
-        F.mask_to_log2_bias(None, keep), rows[2], True, "direct", *grads, dq_kernel=hook, dkdv_kernel=hook)
+        F.mask_to_log2_bias(None, keep), rows[2], True, "direct", *grads)
 
-    assert len(seen) == 2 and isinstance(seen[0], key_bias.KeyRows) and seen[0] is seen[1]
+    assert len(seen) == 2 and seen[0] is seen[1] and seen[0] is not None
+    assert isinstance(seen[0], key_bias.KeyRows) if gluon_takes else isinstance(seen[0], torch.Tensor)
     assert ranges_launched == [F.KEY_TILE]
 
 

@@ -91,21 +91,25 @@ def test_dense_bias(p_mode):
 
 
 def run_through_gluon(ops, causal, what):
-    """``run`` (P mode direct, no dumps) with the Gluon ``what`` kernel ("dq" or "dkdv")
-    as the launcher's hook and a Gluon failure raised instead of falling back: the
-    gradients, after asserting that the Gluon kernel took the call."""
+    """``run`` (P mode direct, no dumps) through ``kernels._backward`` with the Gluon
+    ``what`` kernel ("dq" or "dkdv"), the other direction's left to Triton, and a Gluon
+    failure raised instead of falling back: the gradients, after asserting that the Gluon
+    kernel took the call."""
     from fp4_inductor import kernels
 
     used = []
-    bias = None if ops[13] is None else ops[13].cuda()  # ``run`` moves the launcher's copy
+    choose = getattr(kernels, f"_gluon_{what}")
 
     def gluon(*args):
-        used.append(getattr(kernels, f"_gluon_{what}")(*args, bias=bias, p_mode="direct"))
+        used.append(choose(*args))
         return used[-1]
 
-    with warnings.catch_warnings():
+    other = "dkdv" if what == "dq" else "dq"
+    with pytest.MonkeyPatch.context() as mp, warnings.catch_warnings():
+        mp.setattr(kernels, f"_gluon_{what}", gluon)
+        mp.setattr(kernels, f"_gluon_{other}", lambda *args: False)  # the Triton kernel
         warnings.simplefilter("error", RuntimeWarning)  # a Gluon failure warns and falls back
-        grads, _ = run(ops, causal, "direct", debug=False, **{f"{what}_kernel": gluon})
+        grads, _ = run(ops, causal, "direct", debug=False, dispatch=True)
     assert used == [True], f"the Gluon {what} kernel did not take the call"
     return grads
 
@@ -158,11 +162,11 @@ def test_bf16_gradients_and_op_dispatch(n, d, monkeypatch):
     monkeypatch.setattr(kernels, "_gluon_failed", set())
     monkeypatch.setattr(fp4_ops, "_warned", set())
     taken = {}
-    for hook in ("_gluon_dq", "_gluon_dkdv"):
-        def record(*args, _hook=hook, _run=getattr(kernels, hook), **kwargs):
-            taken[_hook] = _run(*args, **kwargs)
-            return taken[_hook]
-        monkeypatch.setattr(kernels, hook, record)
+    for name in ("_gluon_dq", "_gluon_dkdv"):
+        def record(*args, _name=name, _run=getattr(kernels, name), **kwargs):
+            taken[_name] = _run(*args, **kwargs)
+            return taken[_name]
+        monkeypatch.setattr(kernels, name, record)
     ops = operands(1, 4, 2, n, n, d, "direct", True)
     dev = [None if t is None else t.cuda() for t in ops]
     with warnings.catch_warnings():

@@ -150,7 +150,7 @@ def test_triton_forward_matches_reference(case, fresh_seed):
 TRANSPOSE_SCRIPT = """
 import torch
 from fp4_inductor import formats as F
-from fp4_inductor.kernels.triton import attention_bwd as A
+from fp4_inductor.kernels.triton import attention_bwd_prep as A
 torch.manual_seed({seed})
 # [B, H, N, D] views as the op hands them over: contiguous, [B, N, H, D] storage, and
 # token-major (unit stride along N); odd N; both 8-bit formats; one batch size, as in a

@@ -2,8 +2,8 @@
 
     python benchmarks/explore_launcher_host.py [--calls 300] [--profile] [--cuda] [--key-padding]
 
-Runs ``kernels.triton.attention_backward`` with the Gluon dQ and dK/dV hooks on CPU
-tensors (B=2, H=2, N=256, D=128, causal, P mode direct; the host work does not depend on
+Runs ``kernels._backward`` (what ``kernels.backward_kernel`` returns: the Gluon dQ and
+dK/dV kernels here) on CPU tensors (B=2, H=2, N=256, D=128, causal, P mode direct; the host work does not depend on
 the shape) with every kernel launch (the Gluon kernels, the tiled transposes) replaced by
 a no-op: what remains is our launcher's Python (checks, descriptors, layouts, views) and
 its few small aten ops.  ``--cuda`` runs the same calls on a GPU with the real launches
@@ -33,7 +33,7 @@ from explore_backward import bwd_operands  # noqa: E402
 from fp4_inductor import formats as F  # noqa: E402
 from fp4_inductor import kernels  # noqa: E402
 from fp4_inductor.kernels.gluon import attention_bwd_dkdv, attention_bwd_dq  # noqa: E402
-from fp4_inductor.kernels.triton import attention_bwd, key_bias  # noqa: E402
+from fp4_inductor.kernels.triton import attention_bwd_prep, key_bias  # noqa: E402
 
 
 class NoLaunch:
@@ -58,31 +58,28 @@ def main():
     if args.cuda:
         _, operands = bwd_operands(b, 2, n, 128, device="cuda")
     else:
-        attention_bwd._transpose_kernel = attention_bwd_dq._dq_ws = attention_bwd_dkdv._dkdv_ws = NoLaunch()
+        attention_bwd_prep._transpose_kernel = attention_bwd_dq._dq_ws = attention_bwd_dkdv._dkdv_ws = NoLaunch()
         key_bias._tile_ranges = NoLaunch()
         _, operands = bwd_operands(b, 2, n, 128, device="cpu")
-    bias = None
     if args.key_padding:
         keep = torch.arange(n, device=operands[0].device) < torch.tensor([[n], [n // 2]], device=operands[0].device)
-        bias = F.mask_to_log2_bias(None, keep)
-        operands = (*operands[:13], bias, *operands[14:])
+        operands = (*operands[:13], F.mask_to_log2_bias(None, keep), *operands[14:])
     taken = []
-
-    def hook(name):
-        def run(*hook_args):
-            taken.append(getattr(kernels, name)(*hook_args, bias=bias, p_mode="direct"))
+    for name in ("_gluon_dkdv", "_gluon_dq"):  # record whether each Gluon kernel took the call
+        def chosen(*chosen_args, _run=getattr(kernels, name)):
+            taken.append(_run(*chosen_args))
             return taken[-1]
-        return run
+        setattr(kernels, name, chosen)
 
     def sync():
         if args.cuda:
             torch.cuda.synchronize()
 
     def call():
-        attention_bwd.attention_backward(*operands, dq_kernel=hook("_gluon_dq"), dkdv_kernel=hook("_gluon_dkdv"))
+        kernels._backward(*operands)
 
     call()
-    assert taken == [True, True], "the Gluon hooks did not take the call"
+    assert taken == [True, True], "the Gluon kernels did not take the call"
     if not args.cuda:
         print(f"launches a call: {NoLaunch.launches}")
     for _ in range(20):

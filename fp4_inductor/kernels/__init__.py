@@ -136,38 +136,46 @@ def _forward(q, k, v_t, q_scale, k_scale, v_scale, bias, causal, p_mode, out, ls
 
 
 def backward_kernel(q: torch.Tensor, p_mode: str):
-    """The sm_90 backward launcher, under the forward's conditions, else None: the Triton
-    kernels, with the warp-specialised Gluon kernels where they cover the call
-    (``kernels.gluon.attention_bwd_dq.supports`` for dQ, ``attention_bwd_dkdv.supports``
-    for dK/dV).  It computes the reference's numbers; whether it beats BF16 attention at a
-    shape is the policy's question (its cost table times both in training)."""
+    """The sm_90 backward launcher, under the forward's conditions, else None: per direction
+    the warp-specialised Gluon kernel where it covers the call (``_gluon_scope``, no
+    documents, and ``kernels.gluon.attention_bwd_dq.supports`` for dQ,
+    ``attention_bwd_dkdv.supports`` for dK/dV), the Triton kernel otherwise; the choice is
+    made per call, in ``_backward``.  It computes the reference's numbers; whether it beats
+    BF16 attention at a shape is the policy's question (its cost table times both in
+    training)."""
     if not _applies(q) or p_mode not in P_MODES:
         return None
     return _backward if _module("triton", "attention_bwd") is not None else None
 
 
-def _gluon_dq(do, do_scale, delta, q, k, v, q_scale, k_scale, v_scale, ke_t, ke_scale, row_ref, causal, dq,
-              key_rows, bias, p_mode) -> bool:
+def _gluon_dq(ops, dq, bias, p_mode) -> bool:
     """dQ by the Gluon kernel where it applies; False leaves it to the Triton kernel.
-    ``key_rows``: the Triton launcher's ``KeyRows`` of ``bias`` (shared by the call's kernels)."""
+    ``ops``: the call's ``attention_bwd_prep.BackwardOperands``, ``bias`` as the call gave it."""
     return _run_gluon("attention_bwd_dq", "dQ", "dq_backward",
-                      (do, delta, q, k, v, q_scale, ke_t, k_scale, ke_scale, row_ref, bias, p_mode, dq),
-                      (do, do_scale, delta, q, k, v, q_scale, k_scale, v_scale, ke_t, ke_scale, row_ref, causal, dq,
-                       key_rows))
+                      (ops.do, ops.delta, ops.q, ops.k, ops.v, ops.q_scale, ops.ke_t, ops.k_scale, ops.ke_scale,
+                       ops.row_ref, bias, p_mode, dq),
+                      (ops.do, ops.do_scale, ops.delta, ops.q, ops.k, ops.v, ops.q_scale, ops.k_scale, ops.v_scale,
+                       ops.ke_t, ops.ke_scale, ops.row_ref, ops.causal, dq, ops.key_rows))
 
 
-def _gluon_dkdv(do, do_t, do_scale, delta, q, qe_t, qe_scale, k, v, q_scale, k_scale, v_scale, row_ref, causal, dk,
-                dv, key_rows, bias, p_mode) -> bool:
+def _gluon_dkdv(ops, dk, dv, bias, p_mode) -> bool:
     """dK and dV by the Gluon kernel where it applies; False leaves them to the Triton kernel."""
-    args = (do, do_t, do_scale, delta, q, qe_t, qe_scale, k, v, q_scale, k_scale, v_scale, row_ref, causal, dk, dv)
-    return _run_gluon("attention_bwd_dkdv", "dK/dV", "dkdv_backward", args + (bias, p_mode), args + (key_rows,))
+    args = (ops.do, ops.do_t, ops.do_scale, ops.delta, ops.q, ops.qe_t, ops.qe_scale, ops.k, ops.v, ops.q_scale,
+            ops.k_scale, ops.v_scale, ops.row_ref, ops.causal, dk, dv)
+    return _run_gluon("attention_bwd_dkdv", "dK/dV", "dkdv_backward", args + (bias, p_mode), args + (ops.key_rows,))
 
 
 def _backward(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale, qe, qe_scale, ke, ke_scale, bias, row_ref,
               causal, p_mode, dq, dk, dv, diagonal=0, window=0, q_documents=None, k_documents=None):
-    gluon = _gluon_scope(q, v_t, causal, diagonal, window, False, q_documents)
-    _module("triton", "attention_bwd").attention_backward(
+    ops = _module("triton", "attention_bwd_prep").prepare(
         do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale, qe, qe_scale, ke, ke_scale, bias, row_ref, causal,
-        p_mode, dq, dk, dv, diagonal=diagonal, window=window, q_documents=q_documents, k_documents=k_documents,
-        dq_kernel=functools.partial(_gluon_dq, bias=bias, p_mode=p_mode) if gluon else None,
-        dkdv_kernel=functools.partial(_gluon_dkdv, bias=bias, p_mode=p_mode) if gluon else None)
+        p_mode, dk, dv, diagonal, window, q_documents, k_documents)
+    if ops is None:  # no query or no key: dK and dV zeroed, dQ empty
+        return
+    # The Gluon kernels do not run under the interpreter (the Triton kernels' emulation then).
+    gluon = _gluon_scope(q, v_t, causal, diagonal, window, False, q_documents) and not ops.emulate
+    triton_bwd = _module("triton", "attention_bwd")
+    if not (gluon and _gluon_dkdv(ops, dk, dv, bias, p_mode)):
+        triton_bwd.dkdv_backward(ops, dk, dv)
+    if not (gluon and _gluon_dq(ops, dq, bias, p_mode)):
+        triton_bwd.dq_backward(ops, dq)

@@ -38,7 +38,7 @@ it runs under that work (a whole [64, 128] part live next to dSᵀ's temporaries
 
 Scope (``supports``): P mode direct, no bias or a key-row bias, D = 64 or 128.  K and V contiguous, Q and
 dO any layout (``_padded_rows`` copies them where they are not contiguous rows in whole
-tiles), token-major dOᵀ and Qeᵀ as the Triton launcher makes them; the per-query vectors
+tiles), token-major dOᵀ and Qeᵀ as ``attention_bwd_prep`` makes them; the per-query vectors
 are stacked by the launcher (``_row_vectors``), any layout.
 
 A key-row bias (key padding, ``KEY_BIAS``): a program whose keys every head of its group

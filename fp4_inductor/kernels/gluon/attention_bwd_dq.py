@@ -249,7 +249,7 @@ _CONSTEXPRS = dict(BN=BLOCK_N, STAGES=NUM_STAGES, **_REGS)
 
 
 def _token_major_desc(t, tokens, dtype):
-    """[B, H, D, N] token-major view (rows 16-byte aligned, the Triton launcher's
+    """[B, H, D, N] token-major view (rows 16-byte aligned: ``attention_bwd_prep``'s
     ``_token_major_empty``) as [B*H, D, N] tiles of ``tokens`` tokens."""
     block = [1, t.shape[2], tokens]
     return TensorDescriptor(t, [t.shape[0] * t.shape[1], t.shape[2], t.shape[3]], [t.stride(1), t.stride(2), 1],
@@ -264,7 +264,7 @@ def _tma_ready(t) -> bool:
 
 def supports(do, delta, q, k, v, q_scale, ke_t, k_scale, ke_scale, row_ref, bias, p_mode, dq) -> bool:
     """Whether this kernel can compute the call (module docstring).  Arguments as
-    ``dq_backward`` after the Triton launcher's preparation."""
+    ``dq_backward`` (``attention_bwd_prep.BackwardOperands``' fields)."""
     b, h, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
     rows = (h * nq, nq, 1)

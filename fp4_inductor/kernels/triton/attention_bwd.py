@@ -20,18 +20,15 @@ The dQ kernel recomputes S and dP (two of the five products again) instead of ad
 with fp32 atomics: no zeroed fp32 workspace, no conversion pass, deterministic results,
 and lower register pressure than holding dK, dV and a dQ tile at once.  Both kernels
 compute a tile with the same helper; each quantizes the dS it computes with its own
-scale blocks, per key for dK and per query for dQ (as the reference specifies).  Where it
-applies, ``kernels.gluon.attention_bwd_dq`` computes dQ instead of ``_bwd_dq_kernel``
-(the ``dq_kernel`` argument) and ``kernels.gluon.attention_bwd_dkdv`` dK and dV instead
-of ``_bwd_dkdv_kernel`` (``dkdv_kernel``), with the same numbers.
+scale blocks, per key for dK and per query for dQ (as the reference specifies).  Each
+launch (``dkdv_backward``, ``dq_backward``) reads the call's operands as
+``attention_bwd_prep.prepare`` made them, once for both; ``kernels.backward_kernel``
+chooses per direction between these kernels and the Gluon ones
+(``kernels/gluon/attention_bwd_dq.py``, ``attention_bwd_dkdv.py``: the same numbers).
 
 Tiles are computed transposed ([keys, queries]) so that P^T and dS^T, the A operands of
-dV and dK, come straight from registers.  8-bit wgmma wants both shared-memory operands
-K-major (contiguous along the contracted dimension), so the launcher gives the products
-contracted over tokens token-contiguous copies: dO^T and Qe^T ``[.., D, Nq]``,
-Ke^T ``[.., D, Nk]``, and V ``[.., Nk, D]`` (the saved V is stored ``[.., D, Nk]`` for the
-forward's P.V).  Each copy (a tiled transpose; the four share one launch) moves N * D
-bytes, small against the N^2 * D products.
+dV and dK, come straight from registers; the products contracted over tokens read
+token-major copies (``attention_bwd_prep``).
 
 Numerics that are not bit for bit the reference's:
 - Hopper's FP8 tensor cores do not accumulate in full float32: measured on the H200,
@@ -49,14 +46,13 @@ Numerics that are not bit for bit the reference's:
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from ... import formats as F
 from . import documents, key_bias
+from .attention_bwd_prep import BackwardOperands, prepare
 from .common import e2m1_round, e4m3_code_value, e4m3_round, max_propagate_nan, mul_rn
 
 _P_MODE_ID = {"direct": 0, "exp": 1, "fp4": 2}
@@ -438,172 +434,86 @@ CONFIG = {"dkdv": (8, 1), "dq": (8, 1)}
 OPTIONS = dict(MIXED_F16=False)
 
 
-def _emulate() -> bool:
-    """Under TRITON_INTERPRET=1 (CPU) the float8 casts run as float32 arithmetic and the
-    products as float32 matmuls of exact E4M3/E5M2 values (the interpreter's own float8
-    casts do not round to nearest even)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+def dkdv_backward(ops: BackwardOperands, dk, dv, config=None, debug=None, options=None) -> None:
+    """dK and dV by ``_bwd_dkdv_kernel`` into ``dk``, ``dv`` [B, Hkv, Nk, D] (any strides).
+    ``debug`` = (p, dp): float32 [B, H, Nq, Nk] buffers receiving its P and dP (scaled)."""
+    b, h, nq, _ = ops.q.shape
+    hkv, nk = ops.k.shape[1], ops.k.shape[2]
+    p_dump, dp_dump = debug if debug is not None else (ops.row_ref,) * 2
+    query_docs = documents.launch_args(ops.q_documents, ops.k_documents, BLOCK_N, ops.row_ref, query_ranges=True)
+    warps, stages = dict(CONFIG, **(config or {}))["dkdv"]
+    bias, bias_strides, ranges, range_rows = _bias_args(ops)
+    _bwd_dkdv_kernel[(triton.cdiv(nk, BLOCK_N), b * hkv)](
+        ops.do, ops.do_t, ops.do_scale, ops.delta, ops.q, ops.k, ops.v, ops.q_scale, ops.k_scale, ops.v_scale,
+        ops.qe_t, ops.qe_scale, bias, ranges, *query_docs[:3], ops.row_ref, dk, dv, p_dump, dp_dump,
+        *ops.do.stride(), *ops.do_t.stride(), *ops.do_scale.stride(), *ops.delta.stride(), *ops.q.stride(),
+        *ops.k.stride(), *ops.v.stride(), *ops.q_scale.stride(), *ops.k_scale.stride(), *ops.v_scale.stride(),
+        *ops.qe_t.stride(), *ops.qe_scale.stride(), *bias_strides, *ops.row_ref.stride(), *dk.stride(), *dv.stride(),
+        *range_rows, *query_docs[3:], h, hkv, h // hkv, nq, nk, *_structure(ops),
+        BLOCK_M=F.ds_block_dk(ops.q.shape[-1])[0], **_constexprs(ops, debug, options),
+        num_warps=warps, num_stages=stages,
+    )
 
 
-@triton.jit
-def _transpose_tile(x, out, B, H, R, C, stride_xb, stride_xh, stride_xr, stride_xc, stride_ob, stride_oh, stride_oc,
-                    BLOCK: tl.constexpr):
-    """out[b, h, c, r] = x[b, h, r, c] for this program's tile, if the copy has it: a tile
-    read along C and written along R (Triton stages it through shared memory).  64-bit
-    offsets: a copy is cheap either way."""
-    col_tiles = tl.cdiv(C, BLOCK)
-    if (tl.program_id(0) < tl.cdiv(R, BLOCK) * col_tiles) & (tl.program_id(1) < B * H):
-        b, h = (tl.program_id(1) // H).to(tl.int64), (tl.program_id(1) % H).to(tl.int64)
-        rows = (tl.program_id(0) // col_tiles) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-        cols = (tl.program_id(0) % col_tiles) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-        ok = (rows < R)[:, None] & (cols < C)[None, :]
-        tile = tl.load(x + b * stride_xb + h * stride_xh + rows[:, None] * stride_xr + cols[None, :] * stride_xc,
-                       mask=ok)
-        tl.store(out + b * stride_ob + h * stride_oh + cols[None, :] * stride_oc + rows[:, None], tile, mask=ok)
+def dq_backward(ops: BackwardOperands, dq, config=None, debug=None, options=None) -> None:
+    """dQ by ``_bwd_dq_kernel`` into ``dq`` [B, H, Nq, D] (any strides).  ``debug``: a
+    float32 [B, H, Nq, Nk] buffer receiving its dequantized dS."""
+    b, h, nq, _ = ops.q.shape
+    hkv, nk = ops.k.shape[1], ops.k.shape[2]
+    key_docs = documents.launch_args(ops.q_documents, ops.k_documents, BLOCK_N, ops.row_ref)
+    warps, stages = dict(CONFIG, **(config or {}))["dq"]
+    bias, bias_strides, ranges, range_rows = _bias_args(ops)
+    _bwd_dq_kernel[(triton.cdiv(nq, BLOCK_M_DQ), b * h)](
+        ops.do, ops.do_scale, ops.delta, ops.q, ops.k, ops.v, ops.q_scale, ops.k_scale, ops.v_scale, ops.ke_t,
+        ops.ke_scale, bias, ranges, *key_docs[:3], ops.row_ref, dq, ops.row_ref if debug is None else debug,
+        *ops.do.stride(), *ops.do_scale.stride(), *ops.delta.stride(), *ops.q.stride(), *ops.k.stride(),
+        *ops.v.stride(), *ops.q_scale.stride(), *ops.k_scale.stride(), *ops.v_scale.stride(), *ops.ke_t.stride(),
+        *ops.ke_scale.stride(), *bias_strides, *ops.row_ref.stride(), *dq.stride(),
+        *range_rows, *key_docs[3:], h, hkv, h // hkv, nq, nk, *_structure(ops), BLOCK_M=BLOCK_M_DQ,
+        **_constexprs(ops, debug, options),
+        num_warps=warps, num_stages=stages,
+    )
 
 
-@triton.jit
-def _transpose_kernel(B,
-                      x0, o0, h0, r0, c0, sxb0, sxh0, sxr0, sxc0, sob0, soh0, soc0,
-                      x1, o1, h1, r1, c1, sxb1, sxh1, sxr1, sxc1, sob1, soh1, soc1,
-                      x2, o2, h2, r2, c2, sxb2, sxh2, sxr2, sxc2, sob2, soh2, soc2,
-                      x3, o3, h3, r3, c3, sxb3, sxh3, sxr3, sxc3, sob3, soh3, soc3,
-                      BLOCK: tl.constexpr):
-    """Up to four byte transposes in one launch, the copy chosen by the grid's third axis
-    (one launch instead of four: each costs tens of microseconds of host dispatch)."""
-    job = tl.program_id(2)
-    if job == 0:
-        _transpose_tile(x0, o0, B, h0, r0, c0, sxb0, sxh0, sxr0, sxc0, sob0, soh0, soc0, BLOCK)
-    elif job == 1:
-        _transpose_tile(x1, o1, B, h1, r1, c1, sxb1, sxh1, sxr1, sxc1, sob1, soh1, soc1, BLOCK)
-    elif job == 2:
-        _transpose_tile(x2, o2, B, h2, r2, c2, sxb2, sxh2, sxr2, sxc2, sob2, soh2, soc2, BLOCK)
-    else:
-        _transpose_tile(x3, o3, B, h3, r3, c3, sxb3, sxh3, sxr3, sxc3, sob3, soh3, soc3, BLOCK)
+def _bias_args(ops: BackwardOperands):
+    """Both kernels' bias and its strides, and the skip ranges with their (row_b, row_h);
+    ``row_ref`` stands for a tensor the call does not have (never read)."""
+    ranges, range_b, range_h = ops.skip or (ops.row_ref, 0, 0)
+    if ops.bias is None:
+        return ops.row_ref, (0, 0, 0, 0), ranges, (range_b, range_h)
+    return ops.bias, ops.bias.stride(), ranges, (range_b, range_h)
 
 
-def _transpose_all(pairs) -> None:
-    """For each (x, out) of up to four pairs of 8-bit tensors of one batch size:
-    ``out`` [B, H, C, R] (unit last stride) = ``x`` [B, H, R, C] transposed, in one launch.
-    A tiled copy, where ``copy_`` of a transposed byte tensor moves a byte a thread (the
-    launcher's four copies took ~0.4-0.8 ms per backward at 16k tokens and H·D = 2048 on
-    the H200)."""
-    assert 1 <= len(pairs) <= 4
-    args, tiles, heads = [], 1, 1
-    for x, out in pairs:
-        b, h, r, c = x.shape
-        assert out.shape == (b, h, c, r) and out.stride(-1) == 1 and x.element_size() == out.element_size() == 1
-        assert b == pairs[0][0].shape[0]
-        x8, out8 = x.view(torch.uint8), out.view(torch.uint8)  # bytes: no float8 semantics in a copy
-        args += [x8, out8, h, r, c, *x8.stride(), *out8.stride()[:3]]
-        tiles, heads = max(tiles, triton.cdiv(r, 64) * triton.cdiv(c, 64)), max(heads, b * h)
-    args += args[:12] * (4 - len(pairs))  # unused slots: never read (their grid index is past len(pairs))
-    # Tiles on the unbounded axis; programs past a copy's own tiles or heads do nothing.
-    _transpose_kernel[(tiles, heads, len(pairs))](pairs[0][0].shape[0], *args, BLOCK=64)
+def _structure(ops: BackwardOperands) -> tuple[int, int]:
+    return (ops.diagonal if ops.causal else 0, ops.window if ops.causal else 0)
 
 
-def _token_major_empty(x: torch.Tensor) -> torch.Tensor:
-    """An empty ``[B, H, D, N]`` view for ``x`` ``[B, H, N, D]`` transposed, whose row stride
-    is N rounded up to 16 elements: rows start 16-byte aligned for any N, and every length
-    shares one compiled specialisation."""
-    n = x.shape[-2]
-    return x.new_empty(*x.shape[:-2], x.shape[-1], (n + 15) // 16 * 16)[..., :n]
+def _constexprs(ops: BackwardOperands, debug, options) -> dict:
+    d, dv, nq = ops.q.shape[-1], ops.v.shape[-1], ops.q.shape[2]
+    bias_mode = 0 if ops.bias is None else 1 if ops.bias.stride(2) == 0 or nq == 1 else 2  # as the forward's
+    return dict(D_QK=d, D_V=dv, HEAD_DIM=F.kernel_head_dim(d), HEAD_DIM_V=F.kernel_head_dim(dv), BLOCK_N=BLOCK_N,
+                P_MODE=_P_MODE_ID[ops.p_mode], CAUSAL=ops.causal, WINDOWED=bool(ops.causal and ops.window),
+                BIAS_MODE=bias_mode, EMULATE=ops.emulate, DEBUG=debug is not None, SKIP_MASKED=ops.skip is not None,
+                DOCUMENTS=ops.q_documents is not None, **OPTIONS) | (options or {})
 
 
 def attention_backward(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale, qe, qe_scale, ke, ke_scale,
                        bias, row_ref, causal, p_mode, dq, dk, dv, diagonal=0, window=0, q_documents=None,
-                       k_documents=None, config=None, debug=None, emulate=None, options=None, dq_kernel=None,
-                       dkdv_kernel=None):
-    """Launch both backward kernels into the preallocated ``dq`` [B, H, Nq, D], ``dk``
-    [B, Hkv, Nk, D] and ``dv`` [B, Hkv, Nk, Dv] (any strides).  Arguments as
-    ``reference.attention_backward`` (``q_documents`` and ``k_documents`` the document
-    structure: the hooks are not asked with them).
-    ``dq_kernel(do, do_scale, delta, q, k, v, q_scale, k_scale, v_scale, ke_t, ke_scale,
-    row_ref, causal, dq, key_rows)`` (``v`` row-major, ``ke_t`` token-major, ``key_rows``
-    the call's ``key_bias.KeyRows`` or None) computes dQ in place of the Triton dQ kernel
-    when it returns True (not asked with ``debug`` or ``emulate``); ``dkdv_kernel(do, do_t,
-    do_scale, delta, q, qe_t, qe_scale, k, v, q_scale, k_scale, v_scale, row_ref, causal,
-    dk, dv, key_rows)`` likewise for dK and dV.
+                       k_documents=None, config=None, debug=None, emulate=None, options=None):
+    """Both Triton kernels into the preallocated ``dq`` [B, H, Nq, D], ``dk`` [B, Hkv, Nk, D]
+    and ``dv`` [B, Hkv, Nk, Dv] (any strides); arguments as ``reference.attention_backward``
+    (``kernels.backward_kernel`` runs the Gluon kernels where they apply).
     ``config`` overrides CONFIG; ``debug`` = (p, dp, ds) float32 [B, H, Nq, Nk] buffers
     receive the dK/dV kernel's P and dP (scaled) and the dQ kernel's dequantized dS
     (tests; the dK/dV kernel's dS follows from its P and dP).  ``emulate=True`` runs the
     float32 emulation of the 8-bit products (as under the interpreter) to tell a
     lowering problem from a formula one."""
-    b, h, nq, d = q.shape
-    hkv, nk, dv_dim = k.shape[1], k.shape[2], v_t.shape[-2]
-    if not (F.supported_head_dim(d) and F.supported_head_dim(dv_dim)):
-        raise ValueError(f"head dims {d}/{dv_dim} not supported (multiples of {F.HEAD_DIM_STEP} from "
-                         f"{F.MIN_HEAD_DIM} to {F.MAX_HEAD_DIM})")
-    if h % hkv:
-        raise ValueError(f"{h} query heads not a multiple of {hkv} kv heads")
-    if q.dtype != torch.int8 or k.dtype != torch.int8 or v_t.dtype != F.E4M3 or do.dtype != F.E5M2 \
-            or qe.dtype != F.E4M3 or ke.dtype != F.E4M3:
-        raise TypeError("expected int8 q/k, float8_e4m3fn v_t/qe/ke and float8_e5m2 do, got "
-                        f"{q.dtype}, {k.dtype}, {v_t.dtype}/{qe.dtype}/{ke.dtype}, {do.dtype}")
-    if nq == 0 or nk == 0:
-        if nk == 0 and nq:
-            raise ValueError("attention over zero keys")
-        dk.zero_()
-        dv.zero_()
+    ops = prepare(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale, qe, qe_scale, ke, ke_scale, bias,
+                  row_ref, causal, p_mode, dk, dv, diagonal, window, q_documents, k_documents, emulate)
+    if ops is None:
         return
-    do_scale, delta, q_scale, k_scale, v_scale, qe_scale, ke_scale, row_ref = (
-        t.float() for t in (do_scale, delta, q_scale, k_scale, v_scale, qe_scale, ke_scale, row_ref))
-    # Token-contiguous operands for the products contracted over tokens (module docstring).
-    do_t, qe_t, ke_t = (_token_major_empty(t) for t in (do, qe, ke))
-    v = v_t.new_empty(b, hkv, nk, dv_dim)
-    _transpose_all([(do, do_t), (qe, qe_t), (ke, ke_t), (v_t, v)])
-
-    bias_mode, bias_arg, bias_strides, key_rows = 0, row_ref, (0, 0, 0, 0), None  # bias_arg: unread in mode 0
-    if bias is not None:
-        bias_arg = bias.float().expand(b, h, nq, nk)
-        bias_strides = bias_arg.stride()
-        bias_mode = 1 if bias_strides[2] == 0 or nq == 1 else 2  # as the forward's
-        key_rows = key_bias.KeyRows.of(bias_arg, b, h, nq, nk)  # mode 1; shared with the hooks' kernels
-    skip = key_bias.skip_ranges(key_rows, BLOCK_N)  # the same 128-key ranges the Gluon kernels read
-    ranges, range_b, range_h = skip or (row_ref, 0, 0)  # row_ref: never read without skipping
-    dbg = debug if debug is not None else (row_ref,) * 3
     if debug is not None:
-        assert len(debug) == 3 and all(t.is_contiguous() and t.shape == (b, h, nq, nk) and t.dtype == torch.float32
-                                       for t in debug)
-    emulate = _emulate() if emulate is None else emulate
-    consts = dict(D_QK=d, D_V=dv_dim, HEAD_DIM=F.kernel_head_dim(d), HEAD_DIM_V=F.kernel_head_dim(dv_dim),
-                  BLOCK_N=BLOCK_N, P_MODE=_P_MODE_ID[p_mode], CAUSAL=bool(causal),
-                  WINDOWED=bool(causal and window), BIAS_MODE=bias_mode, EMULATE=emulate, DEBUG=debug is not None,
-                  SKIP_MASKED=skip is not None, DOCUMENTS=q_documents is not None, **OPTIONS)
-    structure = (diagonal if causal else 0, window if causal else 0)
-    consts.update(options or {})
-    cfg = dict(CONFIG, **(config or {}))
-    common_tail = (*bias_strides, *row_ref.stride())
-
-    hooks = debug is None and not emulate and q_documents is None
-    key_docs = documents.launch_args(q_documents, k_documents, BLOCK_N, row_ref)
-    query_docs = documents.launch_args(q_documents, k_documents, BLOCK_N, row_ref, query_ranges=True)
-    if not (hooks and dkdv_kernel is not None
-            and dkdv_kernel(do, do_t, do_scale, delta, q, qe_t, qe_scale, k, v, q_scale, k_scale, v_scale, row_ref,
-                            causal, dk, dv, key_rows)):
-        warps, stages = cfg["dkdv"]
-        _bwd_dkdv_kernel[(triton.cdiv(nk, BLOCK_N), b * hkv)](
-            do, do_t, do_scale, delta, q, k, v, q_scale, k_scale, v_scale, qe_t, qe_scale, bias_arg, ranges,
-            *query_docs[:3], row_ref, dk, dv, dbg[0], dbg[1],
-            *do.stride(), *do_t.stride(), *do_scale.stride(), *delta.stride(), *q.stride(), *k.stride(), *v.stride(),
-            *q_scale.stride(), *k_scale.stride(), *v_scale.stride(), *qe_t.stride(), *qe_scale.stride(),
-            *common_tail, *dk.stride(), *dv.stride(),
-            range_b, range_h, *query_docs[3:], h, hkv, h // hkv, nq, nk, *structure, BLOCK_M=F.ds_block_dk(d)[0],
-            **consts,
-            num_warps=warps, num_stages=stages,
-        )
-
-    if hooks and dq_kernel is not None and dq_kernel(do, do_scale, delta, q, k, v, q_scale, k_scale, v_scale, ke_t,
-                                                     ke_scale, row_ref, causal, dq, key_rows):
-        return
-    warps, stages = cfg["dq"]
-    _bwd_dq_kernel[(triton.cdiv(nq, BLOCK_M_DQ), b * h)](
-        do, do_scale, delta, q, k, v, q_scale, k_scale, v_scale, ke_t, ke_scale, bias_arg, ranges, *key_docs[:3],
-        row_ref, dq, dbg[2],
-        *do.stride(), *do_scale.stride(), *delta.stride(), *q.stride(), *k.stride(), *v.stride(),
-        *q_scale.stride(), *k_scale.stride(), *v_scale.stride(), *ke_t.stride(), *ke_scale.stride(),
-        *common_tail, *dq.stride(),
-        range_b, range_h, *key_docs[3:], h, hkv, h // hkv, nq, nk, *structure, BLOCK_M=BLOCK_M_DQ, **consts,
-        num_warps=warps,
-        num_stages=stages,
-    )
+        assert len(debug) == 3 and all(t.is_contiguous() and t.shape == (*q.shape[:3], k.shape[2])
+                                       and t.dtype == torch.float32 for t in debug)
+    dkdv_backward(ops, dk, dv, config, None if debug is None else debug[:2], options)
+    dq_backward(ops, dq, config, None if debug is None else debug[2], options)
