@@ -65,11 +65,15 @@ def main():
         keep = torch.arange(n, device=operands[0].device) < torch.tensor([[n], [n // 2]], device=operands[0].device)
         operands = (*operands[:13], F.mask_to_log2_bias(None, keep), *operands[14:])
     taken = []
-    for name in ("_gluon_dkdv", "_gluon_dq"):  # record whether each Gluon kernel took the call
-        def chosen(*chosen_args, _run=getattr(kernels, name)):
-            taken.append(_run(*chosen_args))
+
+    def recorded(choose):  # records whether the Gluon kernel took the call
+        def run(*choose_args):
+            taken.append(choose(*choose_args))
             return taken[-1]
-        setattr(kernels, name, chosen)
+        return run
+
+    for name in ("_gluon_dkdv", "_gluon_dq"):
+        setattr(kernels, name, recorded(getattr(kernels, name)))
 
     def sync():
         if args.cuda:
