@@ -220,20 +220,26 @@ def test_backward_kernels_share_one_key_rows(gluon_takes, monkeypatch, fresh_see
 
 @pytest.mark.parametrize("documents", [False, True])
 def test_backward_offers_the_gluon_kernels_no_document_ids(documents, monkeypatch):
-    """In the Gluon backward's scope (D = 128, P mode direct, no offset) the launcher gets
-    both Gluon hooks, and none with document ids (not yet measured there); the ids reach
-    the Triton launcher either way."""
-    seen = {}
+    """In the Gluon backward's scope (D = 128, P mode direct, no offset) both directions go
+    to the Gluon kernels, and neither with document ids (not yet measured there): then the
+    Triton kernels take them, and the ids reach the preparation either way."""
+    seen, ran = {}, []
 
-    def attention_backward(*args, **kwargs):
-        seen.update(kwargs)
+    def prepare(*args):
+        seen["documents"] = args[-2:]
+        return types.SimpleNamespace(emulate=False)
+
+    def record(name, took=True):
+        return lambda *args: ran.append(name) or took
 
     monkeypatch.setattr(kernels, "_module", lambda family, name: types.SimpleNamespace(
-        attention_backward=attention_backward))
+        prepare=prepare, dkdv_backward=record("triton dK/dV"), dq_backward=record("triton dQ")))
+    monkeypatch.setattr(kernels, "_gluon_dkdv", record("gluon dK/dV"))
+    monkeypatch.setattr(kernels, "_gluon_dq", record("gluon dQ"))
     b, h, n, d = 2, 4, 256, 128
     t, rows = torch.empty(b, h, n, d), torch.empty(b, h, n)
     ids = torch.zeros(b, n, dtype=torch.long) if documents else None
     kernels._backward(t, rows, rows, t, t, torch.empty(b, h, d, n), rows, rows, rows, t, rows, t, rows, None, rows,
                       True, "direct", t, t, t, q_documents=ids, k_documents=ids)
-    assert seen["q_documents"] is ids and seen["k_documents"] is ids
-    assert (seen["dq_kernel"] is None) == documents and (seen["dkdv_kernel"] is None) == documents
+    assert seen["documents"][0] is ids and seen["documents"][1] is ids
+    assert ran == (["triton dK/dV", "triton dQ"] if documents else ["gluon dK/dV", "gluon dQ"])
