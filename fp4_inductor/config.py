@@ -19,6 +19,12 @@ PATHS = (*FORMATS, HYBRID, "bf16")
 FP8_P_MODES = ("direct", "exp")  # fp4's P has its own classifier (formats)
 
 
+def path_arguments(path: str) -> dict:
+    """``lowp_attention``'s ``fmt`` and ``backward`` for a low-precision path: the hybrid is
+    the fp8 forward with the BF16 backward."""
+    return {"fmt": "fp8", "backward": "bf16"} if path == HYBRID else {"fmt": path}
+
+
 @dataclasses.dataclass(frozen=True)
 class Options:
     policy: str = "auto"

@@ -72,7 +72,7 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
     _inside[0] += 1
     try:
         if decision.low_precision:
-            return lowp_attention(q, k, v, attn_mask, scale, is_causal, fmt=decision.path,
+            return lowp_attention(q, k, v, attn_mask, scale, is_causal, **config.path_arguments(decision.path),
                                   p_mode=config.current().p_mode_for(decision.path), min_keys=decision.min_keys,
                                   diagonal=diagonal, window=window, key_padding=key_padding,
                                   empty_rows=site.empty_rows)

@@ -18,7 +18,6 @@ Conventions (both formats):
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -383,14 +382,17 @@ def probability_operand(x: torch.Tensor, m: torch.Tensor, p_mode: str) -> torch.
     raise ValueError(f"unknown p_mode {p_mode!r}")
 
 
-@functools.cache
 def p_sum_log_bias(p_mode: str) -> float:
     """ln(sum of the represented probabilities / sum of the exact ones) of a row whose
     scores' fractional parts spread evenly (any row of more than a few keys): what the
     forward's LSE exceeds the exact LSE by.  Direct-P's codes lie above 2**x by up to
     6.1 %, 4.0 % on such a row; E4M3 rounding of exp2 is almost unbiased."""
-    if p_mode not in ("direct", "exp"):
+    if p_mode not in _P_SUM_LOG_BIAS:
         raise ValueError(f"no LSE bias for p_mode {p_mode!r} (its blocks' codes depend on their maxima)")
+    return _P_SUM_LOG_BIAS[p_mode]
+
+
+def _measure_p_sum_log_bias(p_mode: str) -> float:
     x = -1.0 - (torch.arange(1 << 16, dtype=torch.float64) + 0.5) / (1 << 16)  # one octave below the reference
     represented = probability_operand(x, torch.zeros(1, dtype=torch.float64), p_mode).double() * 2.0 ** -p_lift(p_mode)
     return math.log(represented.sum().item() / torch.exp2(x).sum().item())
@@ -458,3 +460,10 @@ def mask_to_log2_bias(attn_mask: torch.Tensor | None, key_padding: torch.Tensor 
         keep = key_padding[:, None, None, :]
         bias = torch.where(keep, 0.0 if bias is None else bias, MASKED_LOG2)
     return bias
+
+
+# Filled at import, outside any trace: the hybrid path's backward reads it while AOTAutograd
+# traces on fake tensors, where the `.item()` of a first fill cannot run (a cache filled
+# there sent the whole model to eager in a fresh process).
+with torch._subclasses.fake_tensor.unset_fake_temporarily(), torch.no_grad():
+    _P_SUM_LOG_BIAS = {p_mode: _measure_p_sum_log_bias(p_mode) for p_mode in ("direct", "exp")}

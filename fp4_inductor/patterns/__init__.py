@@ -15,7 +15,7 @@ import torch.fx as fx
 
 from ..attention import lowp_attention
 from ..runtime import combine_masks
-from ..config import HYBRID
+from ..config import path_arguments
 from .common import Site, node_kind, value
 from .masks import erase_dead, lift_mask_structures, materialize
 from .packed import document_kwargs
@@ -79,12 +79,9 @@ def replace_site(graph: fx.Graph, site: Site, path: str, p_mode: str | None, att
     """Replace the site by its low-precision computation for ``path`` (``config.PATHS``: a
     format, or the hybrid training path), its attention by ``attention`` (``lowp_attention``
     or a function of its signature: ``causal_sdpa``, tuning's probe)."""
-    fmt, backward = ("fp8", "bf16") if path == HYBRID else (path, None)
-    options = {"fmt": fmt, "p_mode": p_mode}
+    options = {**path_arguments(path), "p_mode": p_mode}
     if min_keys is not None:
         options["min_keys"] = min_keys
-    if backward is not None:
-        options["backward"] = backward
     anchor = site.anchor
     with graph.inserting_before(anchor):
         new = (site.rewrite or attention_call)(graph, site, attention, options)
