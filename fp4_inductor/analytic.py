@@ -232,14 +232,18 @@ def fit_errors(constants: dict, table: dict) -> dict:
     return {"rate": rate, "speedup": speedup}
 
 
-def shipped_tables() -> list[dict]:
-    tables = []
-    for path in sorted(SHIPPED.glob("*.json")):
-        if not path.name.startswith("_"):
+def shipped_tables(*directories: Path) -> list[dict]:
+    """The measured tables in ``directories`` (default: the package's ``tables/``), one per
+    GPU: a later directory's table replaces an earlier one's for the same GPU."""
+    tables: dict[str, dict] = {}
+    for directory in directories or (SHIPPED,):
+        for path in sorted(Path(directory).glob("*.json")):
+            if path.name.startswith(("_", "calibration-")):  # the fit's constants, raw measurements
+                continue
             doc = json.loads(path.read_text())
             check_table(doc)
-            tables.append(doc)
-    return tables
+            tables[doc["gpu"]] = doc
+    return [tables[gpu] for gpu in sorted(tables)]
 
 
 @functools.cache
@@ -251,9 +255,10 @@ def load_fit() -> dict | None:
     return constants if constants.get("schema") == SCHEMA else None
 
 
-def refit(path: Path = FIT_PATH) -> dict:
-    """Fit to every shipped table and write the constants where the package reads them."""
-    constants = fit(shipped_tables())
+def refit(*directories: Path, path: Path = FIT_PATH) -> dict:
+    """Fit to the tables in ``directories`` (``shipped_tables``) and write the constants to
+    ``path`` (by default where the package reads them)."""
+    constants = fit(shipped_tables(*directories))
     path.write_text(table_text(constants))
     load_fit.cache_clear()
     return constants

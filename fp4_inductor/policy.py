@@ -474,13 +474,13 @@ _calibrated: dict = {}
 
 def calibrated_table(gpu_name: str) -> CostTable | None:
     """The table ``calibrate()`` measured on this GPU model under these software versions
-    (``cost_tables.load_calibrated``), re-read when its file changes."""
+    (``cost_tables.load_calibrated``), re-read when its file or the versions change."""
     path = cost_tables.calibrated_path(gpu_name)
     try:
         info = path.lstat()
     except OSError:
         return None
-    stamp = (str(path), info.st_mtime_ns, info.st_size, info.st_ino)
+    stamp = (str(path), info.st_mtime_ns, info.st_size, info.st_ino, repr(cost_tables.versions(gpu_name)))
     if stamp not in _calibrated:
         doc = cost_tables.load_calibrated(gpu_name)
         _calibrated.clear()
