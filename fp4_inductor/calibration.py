@@ -80,6 +80,10 @@ class Item:
     def training(self) -> bool:
         return self.kind in ("train", "masked_train")
 
+    @property
+    def window(self) -> int:
+        return WINDOW if self.mask == "window" else 0
+
     def batch_heads(self) -> tuple[int, int]:
         return max(TOKENS // self.n, 1), max(WIDTH // self.d, 1)
 

@@ -14,15 +14,12 @@ Nothing here touches CUDA at import; a method that cannot run returns its reason
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import multiprocessing
 import os
 import time
 import traceback
 
 import torch
-
-from .calibration import WINDOW, Item
 
 FA4 = "FlashAttention-4 (flash_attn.cute)"
 
@@ -33,8 +30,9 @@ def median_ms(step, leaves, rep_ms: float) -> float:
     return do_bench(step, warmup=max(1.0, rep_ms / 3), rep=rep_ms, grad_to_none=leaves, return_mode="median")
 
 
-def run_item(item: Item, names, timer) -> dict:
-    """{method: {"status": "ok", "ms": ...} or {"status": why not}, each with the wall
+def run_item(item, names, timer) -> dict:
+    """``calibration.Item``'s methods ``names``:
+    {method: {"status": "ok", "ms": ...} or {"status": why not}, each with the wall
     ``seconds`` it took (its compile included)}.  ``timer(step, leaves)``: the median ms of a
     step; None runs each step once (compiling it) without timing."""
     results = {}
@@ -69,7 +67,7 @@ def _error(err: Exception) -> str:
     return f"error: {type(err).__name__}: {err}"[:400]
 
 
-def _inputs(item: Item) -> dict:
+def _inputs(item) -> dict:
     """BF16 Gaussian Q, K, V ``[B, H, N, D]`` on the GPU (leaves with gradients in training,
     and dO), seeded per shape; for padding rows ``keep`` ``[B, N]`` (each sequence keeps
     N/2..N keys at its start, "right", or end, "left", seeded as explore_masked_sites.py
@@ -93,7 +91,7 @@ def _inputs(item: Item) -> dict:
         t["bias"] = formats.mask_to_log2_bias(None, t["keep"])
     if item.kind.startswith("masked"):
         rows = torch.arange(n, device="cuda")
-        window = WINDOW if item.mask == "window" else 0
+        window = item.window
         keys = rows[None, :]
         dense = torch.ones(n, n, dtype=torch.bool, device="cuda")
         if item.causal:
@@ -110,7 +108,7 @@ def _drop_grads(t: dict) -> None:
         t[name].grad = None
 
 
-def _setup(item: Item, name: str, t: dict):
+def _setup(item, name: str, t: dict):
     """(step, gradient leaves or None), or why the method cannot run here."""
     if item.kind == "fwd":
         return _forward(item, name, t)
@@ -127,7 +125,7 @@ def _fp8_reason(q) -> str | None:
     return None
 
 
-def _forward(item: Item, name: str, t: dict):
+def _forward(item, name: str, t: dict):
     from . import quantized
 
     q, k, v, causal, scale = t["q"], t["k"], t["v"], item.causal, item.d ** -0.5
@@ -142,7 +140,7 @@ def _forward(item: Item, name: str, t: dict):
     return (lambda: torch.ops.fp4attn.fwd(*operands.flat(), None, causal, "direct", q.dtype, 0, 0, None, None)), None
 
 
-def _masked_forward(item: Item, name: str, t: dict):
+def _masked_forward(item, name: str, t: dict):
     from . import quantized
 
     q, k, v = t["q"], t["k"], t["v"]
@@ -152,13 +150,13 @@ def _masked_forward(item: Item, name: str, t: dict):
     why = _fp8_reason(q)
     if why:
         return why
-    window = WINDOW if item.mask == "window" else 0
+    window = item.window
     bias, causal, scale = t["bias"], item.causal, item.d ** -0.5
     return (lambda: quantized.quantized_forward(q, k, v, bias, scale, causal, "fp8", "direct",
                                                 window=window)), None
 
 
-def _training(item: Item, name: str, t: dict):
+def _training(item, name: str, t: dict):
     from .attention import lowp_attention
 
     leaves, dout, causal, keep = (t["q"], t["k"], t["v"]), t["dout"], item.causal, t["keep"]
@@ -262,9 +260,9 @@ def _bf16(backend: str, causal: bool, qkv, dout, training: bool):
     return (lambda: attend(*qkv)), None
 
 
-def _warm_one(item: dict, names) -> None:
+def _warm_one(item, names) -> None:
     """Run one item's methods once, untimed: their kernels land in the caches on disk."""
-    run_item(Item(**item), names, None)
+    run_item(item, names, None)
 
 
 def warm_up(work, workers: int, deadline: float) -> int:
@@ -287,7 +285,7 @@ def warm_up(work, workers: int, deadline: float) -> int:
             os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = old
     done = 0
     try:
-        pending = [pool.apply_async(_warm_one, (dataclasses.asdict(item), tuple(names))) for item, names in work]
+        pending = [pool.apply_async(_warm_one, (item, tuple(names))) for item, names in work]
         for result in pending:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
