@@ -2,10 +2,12 @@
 
 The steps are the benchmarks' (``benchmarks/bench_attention.py``, ``bench_training.py``,
 ``lab/explore_masked_sites.py``, ``lab/explore_padded_training.py``), which made the
-shipped H200 table: the forward through the ops (``quantized.quantized_forward``, the
-``fp4attn::fwd`` op alone on quantized operands), training through ``lowp_attention``
-compiled (Inductor fuses the backward's preparation, as in a model compiled with the
-backend), the hybrid path eagerly with ``FP4ATTN_BF16_BACKWARD`` naming its backward.
+shipped H200 table: the forward as the quantization op and the forward launcher (and the
+launcher alone), a masked forward through ``quantized.quantized_forward``, training through
+``lowp_attention`` compiled (Inductor fuses the backward's preparation, as in a model
+compiled with the backend), the hybrid path eagerly with ``FP4ATTN_BF16_BACKWARD`` naming
+its backward, BF16 as SDPA under ``sdpa_kernel`` (or FlashAttention-4) and masked BF16 as
+SDPA on the dense boolean mask.
 
 Nothing here touches CUDA at import; a method that cannot run returns its reason
 ("not installed: ...", an error) and the run goes on.
@@ -126,7 +128,11 @@ def _fp8_reason(q) -> str | None:
 
 
 def _forward(item, name: str, t: dict):
-    from . import quantized
+    """As bench_attention.py's "ours-direct+quant" and "ours-direct": the ``fp4attn::quantize``
+    op and the forward launcher the ``fp4attn::fwd`` op calls, into outputs laid out as
+    the op allocates them; or the launcher alone on quantized operands."""
+    from . import ops  # noqa: F401 (registers torch.ops.fp4attn)
+    from .kernels import forward_kernel
 
     q, k, v, causal, scale = t["q"], t["k"], t["v"], item.causal, item.d ** -0.5
     if name.startswith("bf16:"):
@@ -134,10 +140,22 @@ def _forward(item, name: str, t: dict):
     why = _fp8_reason(q)
     if why:
         return why
-    if name == "fp8":  # what the backend runs: fp4attn::quantize, then fp4attn::fwd
-        return (lambda: quantized.quantized_forward(q, k, v, None, scale, causal, "fp8", "direct")), None
-    operands = quantized.Operands.of(*torch.ops.fp4attn.quantize(q, k, v, scale, "fp8"))
-    return (lambda: torch.ops.fp4attn.fwd(*operands.flat(), None, causal, "direct", q.dtype, 0, 0, None, None)), None
+    launch = forward_kernel(q, "direct")
+    b, h, n, d = q.shape
+    out = torch.empty(b, n, h, d, dtype=q.dtype, device=q.device).transpose(1, 2)
+    lse, row_ref = (torch.empty(b, h, n, dtype=torch.float32, device=q.device) for _ in range(2))
+
+    def quantize():
+        return torch.ops.fp4attn.quantize(q, k, v, scale, "fp8")
+
+    def attend(operands):
+        launch(*operands, None, causal, "direct", out, lse, row_ref)
+        return out
+
+    if name == "fp8":
+        return (lambda: attend(quantize())), None
+    operands = quantize()
+    return (lambda: attend(operands)), None
 
 
 def _masked_forward(item, name: str, t: dict):
