@@ -341,7 +341,8 @@ def parser(**defaults) -> argparse.ArgumentParser:
                     help="processes that compile every shape's kernels first (0: none)")
     ap.add_argument("--no-save", dest="save", action="store_false", help="do not store the table in the cache")
     ap.add_argument("--out", type=Path, default=None, help="also write the table as OUT/<gpu>.json")
-    ap.add_argument("--raw-out", type=Path, default=None, help="write every measurement as RAW_OUT/calibration-<gpu>.json")
+    ap.add_argument("--raw-out", type=Path, default=None,
+                    help="write every measurement as RAW_OUT/calibration-<gpu>.json")
     ap.add_argument("--from-raw", type=Path, default=None,
                     help="no measuring: rebuild the table from a raw measurement file (with --out, write it)")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")

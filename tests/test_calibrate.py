@@ -107,11 +107,13 @@ def test_table_takes_the_fastest_bf16_and_the_slower_padding_side():
             _row(right, "bf16:dense-mask", 150.0), _row(left, "bf16:dense-mask", 160.0),
             {**_row(fwd, "fp8-kernel", None), "status": "error: RuntimeError: boom"}]
     table = calibration.build_table(rows, GPU, "synthetic")
-    assert table["tflops"] == {"bf16": {"d64/full/fwd": {"2048": 400.0}, "d128/causal/fwd/causal+padding": {"4096": 160.0}},
-                               "fp8": {"d64/full/fwd": {"2048": 500.0}, "d128/causal/fwd/causal+padding": {"4096": 650.0}}}
+    padded = "d128/causal/fwd/causal+padding"
+    assert table["tflops"] == {"bf16": {"d64/full/fwd": {"2048": 400.0}, padded: {"4096": 160.0}},
+                               "fp8": {"d64/full/fwd": {"2048": 500.0}, padded: {"4096": 650.0}}}
     shipped = json.loads((cost_tables.SHIPPED / "nvidia_h200.json").read_text())
     assert set(table) == set(shipped)  # the shipped tables' format exactly
-    assert policy.CostTable.from_doc(table).rate("fp8", policy.SiteShape(8, 32, 32, 2048, 2048, 64, False, False)) == 500
+    shape = policy.SiteShape(8, 32, 32, 2048, 2048, 64, False, False)
+    assert policy.CostTable.from_doc(table).rate("fp8", shape) == 500
 
 
 def test_calibrated_table_round_trips_keyed_by_versions(world):
@@ -209,7 +211,7 @@ def test_calibrate_end_to_end_with_stubbed_timing(world, monkeypatch):
 
 def test_the_budget_keeps_each_rows_range(world, monkeypatch):
     clock = iter(range(10**6))
-    monkeypatch.setattr(calibration.time, "monotonic", lambda: float(next(clock)))
+    monkeypatch.setattr(calibration, "time", SimpleNamespace(monotonic=lambda: float(next(clock))))
     monkeypatch.setattr(calibration, "_measure", _stub_measure)
     result = fp4_inductor.calibrate(kinds=("fwd",), budget_s=5.5, save=False, progress=False)
     measured = [m for m in result.measurements if m["status"] == "ok"]
@@ -255,7 +257,8 @@ def test_command_line(world, monkeypatch, capsys):
     monkeypatch.setattr(calibration, "calibrate", fake)
     assert calibration.main(["--budget", "45", "--kinds", "fwd", "train", "--quiet"]) == 0
     assert seen["budget_s"] == 45 and seen["kinds"] == ("fwd", "train") and seen["save"] and not seen["progress"]
-    spec = importlib.util.spec_from_file_location("cost_table", Path(__file__).parents[1] / "benchmarks" / "cost_table.py")
+    script = Path(__file__).parents[1] / "benchmarks" / "cost_table.py"
+    spec = importlib.util.spec_from_file_location("cost_table", script)
     cost_table = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(cost_table)
     refits = []
