@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from pathlib import Path
 
 from .formats import FORMATS
 
@@ -62,6 +63,15 @@ class Options:
 
 
 _ENV = {"policy": "FP4ATTN_POLICY", "fmt": "FP4ATTN_FORMAT"}
+
+
+def cache_dir() -> Path:
+    """Where what is measured on this machine is kept (``tune()``'s decisions,
+    ``calibrate()``'s cost table): ``$FP4ATTN_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/fp4_inductor`` (default ``~/.cache/fp4_inductor``)."""
+    if os.environ.get("FP4ATTN_CACHE_DIR"):
+        return Path(os.environ["FP4ATTN_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fp4_inductor"
 
 
 def _from_env() -> Options:

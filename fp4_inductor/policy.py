@@ -4,8 +4,9 @@ Support checks come first (anything the low-precision op cannot compute exactly 
 site means it stays as written); then per-site overrides; then the policy: ``never``,
 ``always`` (low precision wherever supported; on a device without a kernel this runs the
 reference emulation), or ``auto``: decisions measured by ``tune()`` on this GPU, else the
-cost model over the GPU's measured table in ``tables/``, else a conservative analytic
-model of the GPU's peaks (``AnalyticModel``), else BF16.
+cost model over the GPU's measured table (``calibrate()``'s for this GPU and these software
+versions, else the one shipped in ``tables/``), else the analytic model fitted to the
+shipped tables (``AnalyticModel``), else BF16.
 """
 
 from __future__ import annotations
@@ -15,13 +16,14 @@ import fnmatch
 import functools
 import json
 import math
-import re
 from pathlib import Path
 
 import torch
 
+from . import analytic, cost_tables
 from .attention import default_p_mode
 from .config import HYBRID, Options
+from .cost_tables import gpu_slug  # noqa: F401 (the policy's name for it)
 from .formats import HEAD_DIM_STEP, MAX_HEAD_DIM, MIN_HEAD_DIM, supported_head_dim
 from .kernels import bf16_backward, kernels_run_on
 from .patterns.common import Site, value
@@ -189,15 +191,22 @@ class CostTable:
     rates: dict
     launch_us: float
     source: str
+    calibrated: bool = False  # measured by calibrate() on this machine
 
     @classmethod
     def from_json(cls, text: str) -> "CostTable":
-        doc = json.loads(text)
+        return cls.from_doc(json.loads(text))
+
+    @classmethod
+    def from_doc(cls, doc: dict, calibrated: bool = False) -> "CostTable":
+        """From a table's JSON object (``cost_tables.check_table`` says what it must hold)."""
+        cost_tables.check_table(doc)
         rates = {
             path: {key: sorted((int(n), float(r)) for n, r in points.items()) for key, points in by_key.items()}
             for path, by_key in doc["tflops"].items()
         }
-        return cls(gpu=doc["gpu"], rates=rates, launch_us=float(doc["launch_us"]), source=doc.get("source", ""))
+        return cls(gpu=doc["gpu"], rates=rates, launch_us=float(doc["launch_us"]), source=doc.get("source", ""),
+                   calibrated=calibrated)
 
     def rate(self, path: str, shape: SiteShape) -> float | None:
         """TFLOP/s at the shape's ``rate_length``, log-linear between measured lengths.  Below
@@ -222,7 +231,7 @@ class CostTable:
 
     @property
     def label(self) -> str:
-        return "cost model"
+        return "calibrated cost model" if self.calibrated else "cost model"
 
     def speedup(self, shape: SiteShape, fmt: str) -> float | None:
         """BF16 time over low-precision time, or None where the table has no rate."""
@@ -244,32 +253,21 @@ class CostTable:
 
 @dataclasses.dataclass(frozen=True)
 class AnalyticModel:
-    """Peak-rate model of an sm_90 GPU without a measured table, from its own properties.
-
-    Conservative by construction, so that an unmeasured GPU never gets a slowdown: BF16
-    attention is credited with 70 % of the BF16 tensor-core peak (the best measured on
-    the H200: cuDNN and FA4 at 0.66-0.70), while the low-precision path pays its 8-bit
-    matrix time, its softmax issue time and twice the byte floor of its quantization
-    pass, with no overlap between them (the kernels overlap them; on the H200 this model
-    predicts 1.08x at N = 16k, D = 128, where the measured table gives 1.22x).
-    The fp8 forward only: no backward, no fp4 model.
+    """The cost model of an sm_90 GPU without a measured table (``analytic``): the shipped
+    tables' efficiencies carried to this GPU through its SM count, clock, memory bandwidth
+    and tensor-core rate, as a table of the same rows.  It prices every row the shipped
+    tables have (forward, training, the hybrid path, masks).  A decision needs the path's
+    own margin (``MIN_SPEEDUP``, ``MIN_HYBRID_SPEEDUP``: what a measured table mispredicts)
+    or, where wider, ``min_speedup``: 1 + the fit's largest error on the speedups of the
+    tables it was fitted to.
     """
 
     gpu: str
     sms: int
     clock_hz: float
     bandwidth: float  # bytes/s
-
-    # Dense Hopper tensor-core FLOP per SM per clock, and lane operations per SM per clock.
-    BF16_FLOP = 4096
-    FP8_FLOP = 8192
-    ISSUE = 128
-    BF16_EFFICIENCY = 0.7
-    # Instructions per score of the direct-P softmax (SASS count, docs/perf-notes/).
-    SOFTMAX_OPS = 12
-    QUANT_BYTES_PER_ELEMENT = 3  # 2 read, 1 written
-    QUANT_OVER_FLOOR = 2.0
-    LAUNCH_S = 15e-6
+    table: CostTable
+    min_speedup: float
 
     @classmethod
     def of(cls, device: torch.device) -> "AnalyticModel | None":
@@ -281,35 +279,29 @@ class AnalyticModel:
                                                                         "memory_bus_width"))
         if (props.major, props.minor) != (9, 0) or not (clock_khz and mem_khz and bus_bits):
             return None
-        return cls(props.name, props.multi_processor_count, clock_khz * 1e3, 2 * mem_khz * 1e3 * bus_bits / 8)
+        return _analytic_model(props.name, props.multi_processor_count, clock_khz, mem_khz, bus_bits)
 
     @property
     def label(self) -> str:
-        return f"analytic model (no measured table for {self.gpu})"
+        return f"analytic model (no measured table for {self.gpu}; calibrate() measures this GPU)"
 
     @property
     def source(self) -> str:
-        return (f"analytic: {self.sms} SMs at {self.clock_hz / 1e9:.2f} GHz, "
-                f"{self.bandwidth / 1e12:.2f} TB/s")
+        return self.table.source
 
     def speedup(self, shape: SiteShape, fmt: str) -> float | None:
-        # Modelled: the fp8 direct-P forward of the kernels' own head dims, unmasked or causal.
-        if shape.training or fmt != "fp8" or shape.d not in (64, 128) or shape.dv not in (None, shape.d) or \
-                shape.masked:
-            return None
-        s = shape
-        per_second = self.sms * self.clock_hz
-        scores = s.b * s.h * s.nq * s.nk * (0.5 if s.causal else 1.0)
-        elements = s.b * (s.h * s.nq + 2 * s.hkv * s.nk) * s.d
-        t_bf16 = s.flops() / (self.BF16_FLOP * per_second * self.BF16_EFFICIENCY)
-        t_low = (s.flops() / (self.FP8_FLOP * per_second) + scores * self.SOFTMAX_OPS / (self.ISSUE * per_second)
-                 + elements * self.QUANT_BYTES_PER_ELEMENT * self.QUANT_OVER_FLOOR / self.bandwidth + self.LAUNCH_S)
-        return t_bf16 / t_low
+        return self.table.speedup(shape, fmt)
 
 
-def gpu_slug(gpu_name: str) -> str:
-    """A GPU model's name as a file-name part: ``NVIDIA H200`` -> ``nvidia_h200``."""
-    return re.sub(r"[^a-z0-9]+", "_", gpu_name.lower()).strip("_")
+@functools.cache
+def _analytic_model(name: str, sms: int, clock_khz: float, mem_khz: float, bus_bits: int) -> AnalyticModel | None:
+    constants = analytic.load_fit()
+    if constants is None:
+        return None
+    hw = analytic.Hardware.of(name, sms, clock_khz, mem_khz, bus_bits)
+    table = CostTable.from_doc(analytic.synthesize(hw, constants))
+    return AnalyticModel(name, hw.sms, hw.clock_hz, hw.bandwidth, table,
+                         1.0 + constants["speedup_error"])
 
 
 def table_path(gpu_name: str) -> Path:
@@ -477,9 +469,35 @@ def _override(site: Site, reason: str, path: str) -> Decision:
     return Decision(HYBRID, f"{reason} (bf16 backward: {backend})")
 
 
+_calibrated: dict = {}
+
+
+def calibrated_table(gpu_name: str) -> CostTable | None:
+    """The table ``calibrate()`` measured on this GPU model under these software versions
+    (``cost_tables.load_calibrated``), re-read when its file or the versions change."""
+    path = cost_tables.calibrated_path(gpu_name)
+    try:
+        info = path.lstat()
+    except OSError:
+        return None
+    stamp = (str(path), info.st_mtime_ns, info.st_size, info.st_ino, repr(cost_tables.versions(gpu_name)))
+    if stamp not in _calibrated:
+        doc = cost_tables.load_calibrated(gpu_name)
+        _calibrated.clear()
+        _calibrated[stamp] = None if doc is None else CostTable.from_doc(doc, calibrated=True)
+    return _calibrated[stamp]
+
+
 def cost_model(device: torch.device) -> "CostTable | AnalyticModel | None":
-    """The GPU's measured table, else the analytic model of its properties."""
-    return table_for(torch.cuda.get_device_name(device)) or AnalyticModel.of(device)
+    """The table calibrated on this GPU, else the one shipped for its model, else the
+    analytic model of its properties."""
+    gpu = torch.cuda.get_device_name(device)
+    return calibrated_table(gpu) or table_for(gpu) or AnalyticModel.of(device)
+
+
+def _threshold(path: "PricedPath", model) -> float:
+    """The predicted speedup a path needs: its own margin, or the model's if wider."""
+    return max(path.min_speedup, getattr(model, "min_speedup", 0.0))
 
 
 def cost_model_decision(shape: SiteShape, path: "PricedPath | str", model: "CostTable | AnalyticModel | None",
@@ -489,12 +507,13 @@ def cost_model_decision(shape: SiteShape, path: "PricedPath | str", model: "Cost
     path = PricedPath(path) if isinstance(path, str) else path
     if model is None:
         return Decision("bf16", f"no measured cost table for {gpu} and no properties to model it; "
-                        "run fp4_inductor.tune() or use policy='always'")
+                        "fp4_inductor.calibrate() measures this GPU (or run fp4_inductor.tune(), "
+                        "or use policy='always')")
     speedup = model.speedup(shape, path.rates)
     if speedup is None:
         return Decision("bf16", f"{shape.table_key()} not measured on this GPU for {path.label} ({model.label} "
                         "has no rate; fp4_inductor.tune() measures it)")
-    return _verdict(path, speedup, speedup >= path.min_speedup, label=model.label)
+    return _verdict(path, speedup, speedup >= _threshold(path, model), label=model.label)
 
 
 def _verdict(path: "PricedPath", speedup: float, wins: bool, note: str = "", label: str = "cost model") -> Decision:
@@ -523,7 +542,7 @@ def crossover_length(shape: SiteShape, path: "PricedPath | str", model: "CostTab
             nq = max(1, round(shape.nq * n / shape.nk)) if vary == "both" else shape.nq
             scaled = dataclasses.replace(shape, nk=n, nq=nq)
         speedup = model.speedup(scaled, path.rates)
-        if speedup is None or speedup < path.min_speedup:
+        if speedup is None or speedup < _threshold(path, model):
             break
         threshold = n
     return threshold

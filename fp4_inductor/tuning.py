@@ -13,7 +13,6 @@ import dataclasses
 import json
 import math
 import os
-import stat
 import tempfile
 import warnings
 from pathlib import Path
@@ -24,6 +23,8 @@ from . import config
 from . import quantized
 from ._version import __version__
 from .attention import empty_row_fill, lowp_attention
+from .config import cache_dir
+from .cost_tables import MAX_BYTES, read_json
 from .patterns import find_sites, graph_modules, replace_site
 from .probe import run_once
 from .policy import MIN_MEASURED_SPEEDUP, decide, gpu_slug, hybrid_backend, prefers_hybrid, site_key, site_shape
@@ -31,12 +32,6 @@ from .policy import MIN_MEASURED_SPEEDUP, decide, gpu_slug, hybrid_backend, pref
 SCHEMA = 3  # 2: keys name the dtype, an added mask and the P mode; 3: the mask kind and value head dim
 _ENTRY_FIELDS = {"path": str, "speedup": float, "cosine": float, "t_low_ms": float, "t_bf16_ms": float}
 _HYBRID_FIELD = "t_hybrid_ms"  # training sites where the hybrid path applies
-
-
-def cache_dir() -> Path:
-    if os.environ.get("FP4ATTN_CACHE_DIR"):
-        return Path(os.environ["FP4ATTN_CACHE_DIR"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fp4_inductor"
 
 
 def environment(gpu: str) -> dict:
@@ -73,27 +68,16 @@ def _valid_entry(entry) -> bool:
 
 # A cache holds one entry per attention shape of a model: a few kilobytes.  Anything far
 # larger is not ours (and would cost every compile that reads it).
-MAX_CACHE_BYTES = 1 << 20
+MAX_CACHE_BYTES = MAX_BYTES
 
 
 def load_decisions(gpu: str) -> dict:
     """Tuned decisions for this GPU and library versions ({} if none or unusable: any
     content, size, encoding or kind of file is ignored with a warning, never raised)."""
     path = cache_file(gpu)
-    try:
-        info = path.lstat()
-    except OSError:
-        return {}  # no cache yet
-    if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_CACHE_BYTES:
-        why = "not a regular file" if not stat.S_ISREG(info.st_mode) else f"over {MAX_CACHE_BYTES} bytes"
-        warnings.warn(f"fp4attn: ignoring tuning cache {path}: {why}", RuntimeWarning, stacklevel=2)
-        return {}
-    try:
-        doc = json.loads(path.read_bytes()[:MAX_CACHE_BYTES + 1].decode("utf-8"))
-    except (OSError, ValueError, RecursionError) as err:  # ValueError: bad JSON or UTF-8, a huge integer
-        warnings.warn(f"fp4attn: ignoring unreadable tuning cache {path}: {err!r}"[:500], RuntimeWarning,
-                      stacklevel=2)
-        return {}
+    doc = read_json(path, "tuning cache")
+    if doc is None:
+        return {}  # no cache yet, or unusable (warned)
     if not isinstance(doc, dict) or doc.get("schema") != SCHEMA or not isinstance(doc.get("entries"), dict):
         warnings.warn(f"fp4attn: ignoring tuning cache {path}: unknown schema", RuntimeWarning, stacklevel=2)
         return {}

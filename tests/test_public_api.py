@@ -11,8 +11,8 @@ import torch
 
 import fp4_inductor
 
-PUBLIC = {"backend", "configure", "explain", "Report", "SiteRecord", "tune", "TuneResult",
-          "scaled_dot_product_attention", "patch"}
+PUBLIC = {"backend", "configure", "explain", "Report", "SiteRecord", "tune", "TuneResult", "calibrate",
+          "Calibration", "scaled_dot_product_attention", "patch"}
 
 
 def test_all_lists_the_public_names():
