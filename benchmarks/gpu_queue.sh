@@ -36,6 +36,9 @@ staged_tree() {  # name of the patch file
 }
 
 # Items: each a function that writes $out/<item>.log (stdout and stderr) and its JSON.
+item_calibrate() {  # #62: this GPU's cost table by the package's calibration, the fit refitted with it
+  python3 benchmarks/cost_table.py --out "$out" --raw-out "$out"
+}
 item_cudnn_bwd_probe() {  # #60 item 4: the 1.5 rel-L2 of torch's cuDNN SDPA backward in bench_training
   python3 benchmarks/lab/probe_cudnn_backward.py --out "$out/cudnn_bwd_probe.json"
 }
@@ -48,8 +51,8 @@ item_convergence_fused() {  # #63: the one-kernel backward's convergence, E4M3 d
     --seq 2048 --batch 8 --out "$out/convergence_fused")
 }
 
-declare -A LIMIT=([cudnn_bwd_probe]=120 [gpu_tests_fixed]=240 [convergence_fused]=560)
-ORDER=(cudnn_bwd_probe gpu_tests_fixed convergence_fused)
+declare -A LIMIT=([calibrate]=330 [cudnn_bwd_probe]=120 [gpu_tests_fixed]=240 [convergence_fused]=560)
+ORDER=(calibrate cudnn_bwd_probe gpu_tests_fixed convergence_fused)
 
 setup
 items=("$@")
@@ -66,4 +69,4 @@ for name in "${items[@]}"; do
   rc=$?
   echo "$name rc=$rc ${limit}s-box $((SECONDS - t0))s" | tee -a "$out/summary.txt"
 done
-(cd "$out" && tar czf queue.tar.gz --exclude=queue.tar.gz ./*.log ./*.json 2>/dev/null; rm -f ./*.log)
+(cd "$out" && tar czf queue.tar.gz ./*.log 2>/dev/null && rm -f ./*.log)
