@@ -42,6 +42,14 @@ item_calibrate() {  # #62: this GPU's cost table by the package's calibration, t
 item_cudnn_bwd_probe() {  # #60 item 4: the 1.5 rel-L2 of torch's cuDNN SDPA backward in bench_training
   python3 benchmarks/lab/probe_cudnn_backward.py --out "$out/cudnn_bwd_probe.json"
 }
+item_cudnn_bwd_bench() {  # #60 item 4: the bench's cuDNN row alone, after a CUDA-graph row, after every ours row
+  for methods in "sdpa-cudnn-bf16" "ours-direct-graphs sdpa-cudnn-bf16" \
+                 "ours-hybrid-cudnn ours-direct ours-direct-compiled sdpa-cudnn-bf16"; do
+    echo "== $methods"
+    python3 benchmarks/bench_attention.py --training --ns 4096 --ds 128 --methods $methods --out /tmp/cudnn_row
+    python3 -c "import json; [print(r['method'], r['pass'], r.get('grad_rel_l2'), r['status'][:80]) for r in json.load(open('/tmp/cudnn_row.json'))['results']]"
+  done
+}
 item_gpu_tests_fixed() {  # #60 item 3: the GPU tests that failed or did not import on the H100
   python3 -m pytest -q -m gpu tests/test_masks.py tests/test_golden.py tests/test_minilm.py -x -rfE
 }
@@ -51,8 +59,8 @@ item_convergence_fused() {  # #63: the one-kernel backward's convergence, E4M3 d
     --seq 2048 --batch 8 --out "$out/convergence_fused")
 }
 
-declare -A LIMIT=([calibrate]=330 [cudnn_bwd_probe]=120 [gpu_tests_fixed]=240 [convergence_fused]=560)
-ORDER=(calibrate cudnn_bwd_probe gpu_tests_fixed convergence_fused)
+declare -A LIMIT=([calibrate]=330 [cudnn_bwd_probe]=120 [cudnn_bwd_bench]=150 [gpu_tests_fixed]=240 [convergence_fused]=560)
+ORDER=(calibrate cudnn_bwd_probe cudnn_bwd_bench gpu_tests_fixed convergence_fused)
 
 setup
 items=("$@")
