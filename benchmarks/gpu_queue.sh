@@ -50,6 +50,12 @@ item_cudnn_bwd_bench() {  # #60 item 4: the bench's cuDNN row alone, after a CUD
     python3 -c "import json; [print(r['method'], r['pass'], r.get('grad_rel_l2'), r['status'][:80]) for r in json.load(open('/tmp/cudnn_row.json'))['results']]"
   done
 }
+item_cudnn_order() {  # #60 item 4: our cuDNN backward call and torch's, in either order
+  python3 benchmarks/lab/probe_cudnn_order.py --out "$out/cudnn_order.json"
+}
+item_convergence_hybrid_main() {  # the hybrid arm diverged (H100, 3000 steps): main without the staged series
+  python3 benchmarks/train_gpt.py --arms bf16 fp8+bf16bwd --steps 1500 --seq 2048 --batch 8 --out "$out/convergence_hybrid"
+}
 item_gpu_tests_fixed() {  # #60 item 3: the GPU tests that failed or did not import on the H100
   python3 -m pytest -q -m gpu tests/test_masks.py tests/test_golden.py tests/test_minilm.py -x -rfE
 }
@@ -59,8 +65,8 @@ item_convergence_fused() {  # #63: the one-kernel backward's convergence, E4M3 d
     --seq 2048 --batch 8 --out "$out/convergence_fused")
 }
 
-declare -A LIMIT=([calibrate]=330 [cudnn_bwd_probe]=120 [cudnn_bwd_bench]=150 [gpu_tests_fixed]=240 [convergence_fused]=560)
-ORDER=(calibrate cudnn_bwd_probe cudnn_bwd_bench gpu_tests_fixed convergence_fused)
+declare -A LIMIT=([calibrate]=330 [cudnn_bwd_probe]=120 [cudnn_bwd_bench]=150 [cudnn_order]=200 [convergence_hybrid_main]=240 [gpu_tests_fixed]=240 [convergence_fused]=560)
+ORDER=(calibrate cudnn_bwd_probe cudnn_bwd_bench cudnn_order convergence_hybrid_main gpu_tests_fixed convergence_fused)
 
 setup
 items=("$@")
