@@ -55,6 +55,8 @@ item_cudnn_order() {  # #60 item 4: our cuDNN backward call and torch's, in eith
 }
 item_convergence_hybrid_main() {  # the hybrid arm diverged (H100, 3000 steps): main without the staged series
   python3 benchmarks/train_gpt.py --arms bf16 fp8+bf16bwd --steps 1500 --seq 2048 --batch 8 --out "$out/convergence_hybrid"
+  FP4ATTN_BF16_BACKWARD=flash python3 benchmarks/train_gpt.py --arms fp8+bf16bwd --steps 1500 --seq 2048 --batch 8 \
+    --out "$out/convergence_hybrid_flash"
 }
 item_gpu_tests_fixed() {  # #60 item 3: the GPU tests that failed or did not import on the H100
   python3 -m pytest -q -m gpu tests/test_masks.py tests/test_golden.py tests/test_minilm.py -x -rfE
