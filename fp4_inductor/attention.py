@@ -63,7 +63,7 @@ class _HybridAttention(torch.autograd.Function):
         out, lse = quantized.quantized_forward(q, k_op, v_op, bias, sm_scale, causal, fmt, p_mode, diagonal, window)[:2]
         if k_op is not k:  # the backward's bias without the padding keys (None without masks)
             bias = F.mask_to_log2_bias(attn_mask, key_padding)
-        ctx.save_for_backward(q, k, v, bias, out, real_scores_lse(lse, q, k_op, sm_scale, p_mode))
+        ctx.save_for_backward(q, *bf16_backward_frame(k, k_op, lse, p_mode), v, bias, out)
         ctx.sm_scale, ctx.causal, ctx.structure = sm_scale, causal, (diagonal, window)
         ctx.mark_non_differentiable(lse)
         return out, lse
@@ -71,18 +71,23 @@ class _HybridAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _):
         refuse_double_backward()
-        q, k, v, bias, out, lse = ctx.saved_tensors
+        q, k, lse, v, bias, out = ctx.saved_tensors
         dq, dk, dv = torch.ops.fp4attn.bf16_bwd(dout, q, k, v, out, lse, bias, ctx.sm_scale, ctx.causal,
                                                 *ctx.structure)
         return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
-def real_scores_lse(lse, q, k_op, sm_scale: float, p_mode: str) -> torch.Tensor:
-    """The LSE of the real scores, which the BF16 kernels recompute P against, from the
-    forward's: that one is of K's smoothed scores (``k_op``: the K the forward quantized)
-    and of Direct-P's represented probabilities.  Uncorrected, it cost the gradients
-    0.09 rel-L2 against fp64; corrected 0.02 (CPU reference, N = 200-1024, D = 64-128)."""
-    return lse + F.smoothing_shift(q, k_op, sm_scale) - F.p_sum_log_bias(p_mode)
+def bf16_backward_frame(k, k_op, lse, p_mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The K and LSE a BF16 backward recomputes P from: the forward's own frame, K less the
+    mean it subtracted (``formats.k_smoothing_mean`` of ``k_op``, the K the forward
+    quantized), and the forward's LSE less Direct-P's sum bias.  Recomputing from the real
+    K adds the mean times dS's row sums to dQ, sums that vanish only where O is exact: with
+    the FP8 forward's O, dQ was 0.10 / 0.21 rel-L2 against fp64 for keys whose mean is
+    2 / 5 times their spread, and training diverged (H100, 2026-12-06); in this frame dQ
+    is 0.02, dK and dV unchanged (the mean, like any vector shared by a head's keys,
+    leaves P alone).  Without the bias correction the gradients were 0.09 rel-L2."""
+    k_smoothed = (k.float() - F.k_smoothing_mean(k_op)).to(k.dtype)
+    return k_smoothed, lse - F.p_sum_log_bias(p_mode)
 
 
 # The backward a training site takes: the format's own low-precision one, or BF16 after

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fp4_inductor import quantized, reference
-from fp4_inductor.attention import lowp_attention, real_scores_lse
+from fp4_inductor.attention import bf16_backward_frame, lowp_attention
 from fp4_inductor.formats import mask_to_log2_bias
 from fp4_inductor.kernels import bf16_backward
 
@@ -87,8 +87,8 @@ def test_hybrid_gradients_against_fp64(causal):
     # The reference's emulation of the kernels from the same forward (deterministic).
     out8, lse8 = quantized.quantized_forward(q.detach(), k.detach(), v.detach(), None, 1 / math.sqrt(d), causal, "fp8",
                                        "direct")[:2]
-    lse = real_scores_lse(lse8, q.detach(), k.detach(), 1 / math.sqrt(d), "direct")
-    want = reference.bf16_attention_backward(dout, q.detach(), k.detach(), v.detach(), out8, lse, None,
+    k_smoothed, lse = bf16_backward_frame(k.detach(), k.detach(), lse8, "direct")
+    want = reference.bf16_attention_backward(dout, q.detach(), k_smoothed, v.detach(), out8, lse, None,
                                              1 / math.sqrt(d), causal)
     for name, t, w in zip("qkv", (q, k, v), want):
         assert rel_l2(t.grad, w) < 0.01, (name, rel_l2(t.grad, w))
