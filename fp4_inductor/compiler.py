@@ -7,8 +7,10 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
+import logging
 from pathlib import Path
 
 import torch
@@ -38,6 +40,7 @@ class SiteRecord:
     path: str
     reason: str
     predicted_speedup: float | None
+    rewritten: bool = False  # the pass replaced the site (low precision, or SDPA's is_causal)
 
 
 class AttentionRewritePass:
@@ -55,13 +58,16 @@ class AttentionRewritePass:
             if tuned is None:
                 tuned = _tuned_decisions(site) if self.options.policy == "auto" else {}
             decision = decide(site, self.options, tuned)
+            rewritten = True
             if decision.low_precision:
                 replace_site(graph, site, decision.path, self.options.p_mode_for(decision.path),
                              min_keys=decision.min_keys)
             elif self.options.policy != "never" and not decision.unsupported and reads_causal_mask(site):
                 replace_site(graph, site, "bf16", None, attention=causal_sdpa)
                 decision = dataclasses.replace(decision, reason=decision.reason + "; causal mask run as is_causal")
-            self.records.append(_record(site, decision))
+            else:
+                rewritten = False
+            self.records.append(_record(site, decision, rewritten))
 
 
 def _tuned_decisions(site) -> dict:
@@ -71,7 +77,7 @@ def _tuned_decisions(site) -> dict:
     return load_decisions(torch.cuda.get_device_name(q.device))
 
 
-def _record(site, decision: Decision) -> SiteRecord:
+def _record(site, decision: Decision, rewritten: bool) -> SiteRecord:
     return SiteRecord(
         name=site.name,
         kind=site.kind,
@@ -82,6 +88,7 @@ def _record(site, decision: Decision) -> SiteRecord:
         path=decision.path,
         reason=decision.reason,
         predicted_speedup=decision.predicted_speedup,
+        rewritten=rewritten,
     )
 
 
@@ -96,6 +103,47 @@ def rewrite(gm: torch.fx.GraphModule, options: Options) -> list[SiteRecord]:
         module.graph.lint()
         module.recompile()
     return rewrite_pass.records
+
+
+log = logging.getLogger(__name__)
+
+
+def rewrite_and_compile(gm: torch.fx.GraphModule, options: Options, compile_fn) -> tuple[object, list[SiteRecord]]:
+    """``compile_fn(gm)`` on the rewritten graph.  Should that fail, the graph's sites are
+    left to SDPA as the model wrote them, the rest is compiled all the same, and the log
+    (every time) and the records (``explain``) say why: a backend that raises sends the
+    whole frame to eager, or fails it under ``fullgraph``."""
+    original = [(module, _copy_graph(module.graph)) for module in gm.modules() if isinstance(module, torch.fx.GraphModule)]
+    records = rewrite(gm, options)
+    if not any(r.rewritten for r in records):
+        return compile_fn(gm), records
+    try:
+        return compile_fn(gm), records
+    except Exception as err:  # our ops' trace failed: the sites go back to SDPA
+        summary = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"[:300]
+        for module, graph in original:
+            module.graph = graph
+            module.recompile()
+        names = [r.name or r.kind for r in records if r.rewritten]
+        log.warning("fp4attn: %d attention site(s) left to SDPA (%s): compiling them with fp4attn's ops failed: %s",
+                    len(names), ", ".join(names), summary)
+        reason = f"left to SDPA: compiling this graph with fp4attn's ops failed ({summary})"
+        records = [dataclasses.replace(r, path="bf16", reason=reason, predicted_speedup=None, rewritten=False)
+                   if r.rewritten else r for r in records]
+        return compile_fn(gm), records
+
+
+def _copy_graph(graph: torch.fx.Graph) -> torch.fx.Graph:
+    """A copy of ``graph``'s nodes (their meta shared, not copied) that keeps the attributes
+    Dynamo sets on nodes (a placeholder's ``_dynamo_source``, which AOTAutograd reads)."""
+    node_map = {None: None}  # Graph.__deepcopy__ fills a memo it is given only if it is non-empty
+    copied = copy.deepcopy(graph, node_map)
+    for old, new in node_map.items():
+        if isinstance(old, torch.fx.Node) and isinstance(new, torch.fx.Node):
+            for name, attribute in vars(old).items():
+                if name not in vars(new):
+                    setattr(new, name, attribute)
+    return copied
 
 
 class SourceIdentity(CustomGraphPass):
@@ -133,16 +181,20 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, options: Options, mo
     import torch._inductor
     from torch._inductor.compile_fx import compile_fx
 
-    rewrite(gm, options)
     patches = {**(torch._inductor.list_mode_options(mode) if mode else {}), **(inductor_options or {})}
     inner = patches.get("post_grad_custom_pre_pass", torch._inductor.config.post_grad_custom_pre_pass)
     patches["post_grad_custom_pre_pass"] = inner if isinstance(inner, SourceIdentity) else SourceIdentity(inner)
-    if softmax_over_other_dim(gm.graph):
-        # Inductor's attention fusion takes softmax(S, dim=-2) @ V for attention and
-        # computes it wrongly (rel-L2 0.19 against eager in torch 2.13): its pattern
-        # matcher stays off for this graph.
-        patches["pattern_matcher"] = False
-    return compile_fx(gm, example_inputs, config_patches=patches or None)
+
+    def inductor(graph_module):
+        graph_patches = dict(patches)
+        if softmax_over_other_dim(graph_module.graph):
+            # Inductor's attention fusion takes softmax(S, dim=-2) @ V for attention and
+            # computes it wrongly (rel-L2 0.19 against eager in torch 2.13): its pattern
+            # matcher stays off for this graph.
+            graph_patches["pattern_matcher"] = False
+        return compile_fx(graph_module, example_inputs, config_patches=graph_patches)
+
+    return rewrite_and_compile(gm, options, inductor)[0]
 
 
 def fp4attn(gm: torch.fx.GraphModule, example_inputs, mode: str | None = None, options: dict | None = None):

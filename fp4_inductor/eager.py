@@ -122,7 +122,7 @@ def _tensor_key(t):
 
 def _report(site, decision: Decision) -> None:
     for records in _recorders:
-        records.append(_record(site, decision))
+        records.append(_record(site, decision, decision.low_precision))
 
 
 def _site(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, diagonal, window, key_padding, name,

@@ -7,7 +7,7 @@ import dataclasses
 import torch
 
 from . import config
-from .compiler import SiteRecord, rewrite
+from .compiler import SiteRecord, rewrite_and_compile
 from .eager import recording
 from .probe import run_once
 
@@ -74,8 +74,9 @@ def explain(model_or_fn, *args, policy: str | None = None, fmt: str | None = Non
             **kwargs) -> Report:
     """Compile ``model_or_fn`` with the fp4attn rewrite, run it once on ``args``/``kwargs``
     and report every attention site, the graph breaks and, if tracing fails, why (reported,
-    not raised).  The rewritten graphs run eagerly (no Inductor compile), so this is quick;
-    the decisions are the ones ``backend="fp4attn"`` makes.  Resets Dynamo's caches, as
+    not raised).  The rewritten graphs are traced by AOTAutograd as the backend traces them
+    (a site whose trace fails is reported left to SDPA, as the backend leaves it) and run
+    without Inductor, so this is quick; the decisions are the ones ``backend="fp4attn"`` makes.  Resets Dynamo's caches, as
     ``torch._dynamo.explain`` does (``probe.run_once``).
 
     With ``eager=True`` the model runs once as it is, without Dynamo, and the report lists
@@ -88,9 +89,12 @@ def explain(model_or_fn, *args, policy: str | None = None, fmt: str | None = Non
     graphs = []
 
     def recording_backend(gm, example_inputs):
+        from torch._dynamo.backends.debugging import aot_eager
+
         graphs.append(gm)
-        records.extend(rewrite(gm, options))
-        return gm.forward
+        compiled, site_records = rewrite_and_compile(gm, options, lambda g: aot_eager(g, example_inputs))
+        records.extend(site_records)
+        return compiled
 
     counters = torch._dynamo.utils.counters
     counters["graph_break"].clear()
