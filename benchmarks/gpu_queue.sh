@@ -61,6 +61,9 @@ item_convergence_hybrid_main() {  # the hybrid arm diverged (H100, 3000 steps): 
 item_bench_corruption() {  # #60 item 4: which row changes what the cuDNN row computes
   python3 benchmarks/lab/probe_bench_corruption.py
 }
+item_gpu_tests_hybrid() {  # the hybrid's BF16 backward in the smoothed frame, on the GPU kernels
+  python3 -m pytest -q -m gpu tests/test_hybrid_gpu.py -x -rfE
+}
 item_gpu_tests_fixed() {  # #60 item 3: the GPU tests that failed or did not import on the H100
   python3 -m pytest -q -m gpu tests/test_masks.py tests/test_golden.py tests/test_minilm.py -x -rfE
 }
@@ -70,8 +73,8 @@ item_convergence_fused() {  # #63: the one-kernel backward's convergence, E4M3 d
     --seq 2048 --batch 8 --out "$out/convergence_fused")
 }
 
-declare -A LIMIT=([calibrate]=330 [cudnn_bwd_probe]=120 [cudnn_bwd_bench]=150 [cudnn_order]=200 [bench_corruption]=200 [convergence_hybrid_main]=240 [gpu_tests_fixed]=240 [convergence_fused]=560)
-ORDER=(calibrate cudnn_bwd_probe cudnn_bwd_bench cudnn_order bench_corruption convergence_hybrid_main gpu_tests_fixed convergence_fused)
+declare -A LIMIT=([calibrate]=330 [cudnn_bwd_probe]=120 [cudnn_bwd_bench]=150 [cudnn_order]=200 [bench_corruption]=200 [gpu_tests_hybrid]=150 [convergence_hybrid_main]=240 [gpu_tests_fixed]=240 [convergence_fused]=560)
+ORDER=(calibrate gpu_tests_hybrid cudnn_bwd_probe cudnn_bwd_bench cudnn_order bench_corruption convergence_hybrid_main gpu_tests_fixed convergence_fused)
 
 setup
 items=("$@")
