@@ -61,6 +61,9 @@ item_convergence_hybrid_main() {  # the hybrid arm diverged (H100, 3000 steps): 
 item_bench_corruption() {  # #60 item 4: which row changes what the cuDNN row computes
   python3 benchmarks/lab/probe_bench_corruption.py
 }
+item_bench_rows() {  # #60 item 4: bench_training's own run, checked after each row
+  python3 benchmarks/lab/probe_bench_rows.py ours-hybrid-cudnn ours-direct ours-direct-compiled sdpa-cudnn-bf16
+}
 item_gpu_tests_hybrid() {  # the hybrid's BF16 backward in the smoothed frame, on the GPU kernels
   python3 -m pytest -q -m gpu tests/test_hybrid_gpu.py -x -rfE
 }
@@ -73,8 +76,8 @@ item_convergence_fused() {  # #63: the one-kernel backward's convergence, E4M3 d
     --seq 2048 --batch 8 --out "$out/convergence_fused")
 }
 
-declare -A LIMIT=([calibrate]=330 [cudnn_bwd_probe]=120 [cudnn_bwd_bench]=150 [cudnn_order]=200 [bench_corruption]=200 [gpu_tests_hybrid]=150 [convergence_hybrid_main]=240 [gpu_tests_fixed]=240 [convergence_fused]=560)
-ORDER=(calibrate gpu_tests_hybrid cudnn_bwd_probe cudnn_bwd_bench cudnn_order bench_corruption convergence_hybrid_main gpu_tests_fixed convergence_fused)
+declare -A LIMIT=([calibrate]=330 [cudnn_bwd_probe]=120 [cudnn_bwd_bench]=150 [cudnn_order]=200 [bench_corruption]=200 [bench_rows]=150 [gpu_tests_hybrid]=150 [convergence_hybrid_main]=240 [gpu_tests_fixed]=240 [convergence_fused]=560)
+ORDER=(calibrate gpu_tests_hybrid cudnn_bwd_probe cudnn_bwd_bench cudnn_order bench_corruption bench_rows convergence_hybrid_main gpu_tests_fixed convergence_fused)
 
 setup
 items=("$@")
