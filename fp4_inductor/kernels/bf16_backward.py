@@ -105,8 +105,11 @@ def _cudnn(dout, q, k, v, out, lse, bias, scale, causal, diagonal, window):
         k, v = (t.repeat_interleave(h // hkv, dim=1) for t in (k, v))
     if bias is not None:  # log2 units to the scores' natural units, in the inputs' dtype
         bias = (bias * LN2).to(q.dtype).expand(q.shape[0], h, q.shape[2], k.shape[2])
-    # cuDNN's backward reads dO in O's layout.
-    dout = dout if dout.stride() == out.stride() else torch.empty_like(out).copy_(dout)
+    # O and dO in Q's layout, as torch's own cuDNN forward lays O out: torch caches cuDNN's
+    # plans under a key without their strides, so a call with ours (O is [B, N, H, D]
+    # underneath) and one of torch's with the same shapes shared a plan, and whichever came
+    # second got wrong gradients (1.52 rel-L2 for torch's after ours; H100, 2026-12-06).
+    out, dout = (t if t.stride() == q.stride() else torch.empty_like(q).copy_(t) for t in (out, dout))
     # None stands for the undefined tensors of dense calls without dropout: a defined
     # cum_seq would mean a packed (varlen) call.
     dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
