@@ -282,6 +282,8 @@ def test_explain_says_why_no_site_was_found():
     skipped = torch.compiler.disable(lambda x: torch.nn.functional.scaled_dot_product_attention(x, x, x))
     assert "captured no graph" in str(fp4_inductor.explain(lambda x: skipped(x), torch.randn(1, 2, 8, 32)))
     assert "no attention sites found in 1 graph" in str(fp4_inductor.explain(lambda x: x.sin() * 2, torch.randn(3)))
-    # without the mask there is no break, and the encoder's attention is captured
-    _peaked(layer.self_attn)
-    _captured_within_bound(encoder, lambda m, x: m(x), x)
+    # with key padding in place of the causal mask there is no break: the attention is captured
+    _peaked(encoder.layers[0].self_attn)
+    pad = torch.zeros(2, 16, dtype=torch.bool)
+    pad[1, 10:] = True
+    _captured_within_bound(encoder, lambda m, x: m(x, src_key_padding_mask=pad)[~pad], x)
