@@ -19,6 +19,7 @@ import weakref
 
 import torch
 import torch.fx as fx
+from torch.nn.attention.bias import CausalBias, CausalVariant
 from torch._subclasses.fake_tensor import is_fake
 
 from . import config
@@ -53,6 +54,14 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     decision at DEBUG level."""
     if _inside[0]:  # patch() routes the fallback's own SDPA call here
         return _SDPA(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+    if isinstance(attn_mask, CausalBias):
+        # torch.nn.attention.bias's causal mask is a structure, not values to read: SDPA's
+        # is_causal (upper left) or the causal bound at diagonal Nk - Nq (lower right)
+        if is_causal:
+            raise ValueError("CausalBias should not be used with causal=True")
+        lower_right = attn_mask.variant == CausalVariant.LOWER_RIGHT
+        return attention(query, key, value, None, dropout_p, True, scale, enable_gqa,
+                         diagonal=attn_mask.seq_len_kv - attn_mask.seq_len_q if lower_right else 0)
     return attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
 
@@ -63,6 +72,15 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
     read from a framework's mask (``lowp_attention``'s ``diagonal``, ``window`` and
     ``key_padding``, in place of ``attn_mask``: no N x N tensor), and the site's name
     (which ``overrides`` match; ``module_name``)."""
+    device = query.device.type
+    if torch.is_autocast_enabled(device):
+        # SDPA is on autocast's lower-precision list: what autocast gives it (every floating
+        # tensor but a float64 one in the autocast dtype), then no autocast inside.
+        dtype = torch.get_autocast_dtype(device)
+        cast = lambda t: t.to(dtype) if t is not None and t.is_floating_point() and t.dtype != torch.float64 else t  # noqa: E731
+        with torch.autocast(device, enabled=False):
+            return attention(*map(cast, (query, key, value, attn_mask)), dropout_p, is_causal, scale, enable_gqa,
+                             diagonal=diagonal, window=window, key_padding=key_padding, name=name)
     structured = bool(diagonal or window) or key_padding is not None
     if structured and attn_mask is not None:
         raise ValueError("pass either attn_mask or a causal structure and key padding, not both")

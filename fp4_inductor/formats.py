@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -268,7 +269,17 @@ def finite_amax(x: torch.Tensor, dim) -> torch.Tensor:
     in it would poison every column of the head, where eager's is non-finite in one
     column only; the element itself becomes V's NaN code, which makes exactly that column
     of the output NaN (eager: Inf or NaN there)."""
-    return torch.where(torch.isfinite(x), x.abs(), 0.0).amax(dim=dim)
+    return amax_or_zero(torch.where(torch.isfinite(x), x.abs(), 0.0), dim)
+
+
+def amax_or_zero(x: torch.Tensor, dim) -> torch.Tensor:
+    """``x.amax(dim)``, and 0 over no element (no query or no key: SDPA's answer is then
+    zeros, which any scale gives, where torch's amax refuses an empty reduction).  A
+    symbolic length is at least 2 (Dynamo specialises 0 and 1): no guard."""
+    dims = (dim,) if isinstance(dim, int) else dim
+    if any(statically_known_true(x.shape[d] == 0) for d in dims):
+        return x.sum(dim=dim)  # the sum of nothing: zeros of the reduced shape
+    return x.amax(dim=dim)
 
 
 def quantize_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale, fmt: str):
@@ -309,7 +320,7 @@ def quantize_do(do: torch.Tensor, lse: torch.Tensor, row_ref: torch.Tensor, p_mo
     so it never touches the P codes.  Returns (codes, scale).
     """
     dof = do.float() * backward_row_factor(lse, row_ref, p_mode)[..., None]
-    scale = _amax_scale(dof.abs().amax(dim=(-2, -1)), E5M2_MAX)
+    scale = _amax_scale(amax_or_zero(dof.abs(), (-2, -1)), E5M2_MAX)
     return _cast(dof / scale[..., None, None], E5M2, E5M2_MAX), scale
 
 

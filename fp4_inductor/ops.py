@@ -47,6 +47,12 @@ def _warn_once(key: str, message: str) -> None:
         warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
+def _no_work(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """No query or no key (SDPA's answer: zeros, and zero gradients): the formats code and
+    the reference compute it at no cost, where the kernels refuse zero keys."""
+    return q.numel() == 0 or k.numel() == 0
+
+
 def bnhd_empty(like: torch.Tensor, heads: int, rows: int, dim: int, dtype: torch.dtype) -> torch.Tensor:
     """``[B, H, N, D]`` stored as ``[B, N, H, D]``: the layout ``out.transpose(1, 2)
     .reshape(B, N, H * D)`` reads without a copy (and the kernels write)."""
@@ -92,7 +98,7 @@ def quantize(
     these cross-row reductions took 215 us where the op's two launches take 123; in a
     Llama-3.1-8B block with RoPE, which Inductor fuses into the op's input, the op's path
     was the faster one too (docs/perf-notes/)."""
-    kernel = quantize_kernel(q, fmt)
+    kernel = None if _no_work(q, k) else quantize_kernel(q, fmt)
     if kernel is not None:
         try:
             return kernel(q, k, v, sm_scale)
@@ -145,7 +151,7 @@ def attention_fwd(
     b, h, nq, _ = q.shape
     out = bnhd_empty(q, h, nq, v_t.shape[-2], out_dtype)
     lse, row_ref = (torch.empty(b, h, nq, dtype=torch.float32, device=q.device) for _ in range(2))
-    kernel = forward_kernel(q, p_mode)
+    kernel = None if _no_work(q, k) else forward_kernel(q, p_mode)
     if kernel is not None:
         try:
             kernel(q, k, v_t, q_scale, k_scale, v_scale, bias, causal, p_mode, out, lse, row_ref, diagonal, window,
@@ -200,7 +206,7 @@ def attention_bwd(
     three are stored as ``grads_empty`` lays them out: contiguous with ``grads_contiguous``
     (the attention's inputs were), else ``[B, N, H, D]``.  The kernels take any strides."""
     dq, dk, dv = grads_empty(q, k, v_t, out_dtype, grads_contiguous)
-    kernel = backward_kernel(q, p_mode)
+    kernel = None if _no_work(q, k) else backward_kernel(q, p_mode)
     if kernel is not None:
         try:
             kernel(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale, qe, qe_scale, ke, ke_scale,
@@ -242,7 +248,7 @@ def attention_bf16_bwd(
     kernel (``kernels.bf16_backward``); ``bias`` is the kernels' float32 log2-unit bias of
     the call's unpadded keys.  Where no kernel runs, ``reference.bf16_attention_backward``."""
     results = None
-    if q.is_cuda:
+    if q.is_cuda and not _no_work(q, k):
         try:
             results = bf16_backward.backward(dout, q, k, v, out, lse, bias, scale, causal, diagonal, window)
         except Exception as err:  # never kill the model: same math from the reference

@@ -193,9 +193,10 @@ class TrilMasked(torch.nn.Module):
     def forward(self, x):
         b, n, _ = x.shape
         q, k, v = self.qkv(x).view(b, n, 3, 2, 32).permute(2, 0, 3, 1, 4)
-        keep = torch.tril(torch.ones(n, n, dtype=torch.bool))
+        ones = torch.ones(n, n, dtype=torch.bool, device=x.device)
+        keep = torch.tril(ones)
         if self.window:
-            keep = keep & ~torch.tril(torch.ones(n, n, dtype=torch.bool), diagonal=-self.window)
+            keep = keep & ~torch.tril(ones, diagonal=-self.window)
         if self.sdpa:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
         else:

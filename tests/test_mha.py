@@ -20,6 +20,8 @@ QK_GAIN = 2.5
 # Our error over the low-precision reference's: 1.1-1.25 measured; the faults' 9 and more.
 K_ERR = 2.0
 NO_MASK_FAULTS = ("half_scale", "zero_output")
+# An additive mask's std: ignoring it moves the output by several times the bound.
+MASK_STD = 3.0
 
 
 def _peaked(mha: nn.MultiheadAttention) -> nn.MultiheadAttention:
@@ -44,6 +46,16 @@ def _references(module, run, x):
 
 def _check(got, exact, lowp):
     assert_within_reference_error(got, exact, lowp, K_ERR)
+
+
+def _captured_within_bound(module, run, x):
+    """``run(module, x)`` compiled under policy always without grad: one call of our
+    forward, the output within the bound (so that a fault in it fails the test)."""
+    exact, lowp = _references(module, lambda m, x: run(m, x).detach(), x)
+    with torch.no_grad(), fp4_inductor.configure(policy="always"):
+        out, calls = op_calls(torch.compile(lambda x: run(module, x), backend="fp4attn"), x)
+    assert calls["fwd"] == 1
+    _check(out, exact, lowp)
 
 
 class SelfAttention(nn.Module):
@@ -132,15 +144,30 @@ def test_transformer_encoder_layer_training():
     ],
 )
 def test_unsupported_multihead_attention_stays_exact(make, reason):
+    """What the ops cannot take stays as written, with eager's numbers; the same module
+    without it (need_weights=False, in eval) is captured."""
     module = SelfAttention(dropout=0.1).train()
     x = torch.randn(B, N, E)
     report = fp4_inductor.explain(lambda x: make(module, x), x, policy="always")
     assert report.sites[0].path == "bf16" and reason in report.sites[0].reason
+    seed = int(torch.randint(0, 2**31, ()))
+
+    def seeded(fn):
+        torch.manual_seed(seed)
+        return fn(x)
+
+    # (fallback_random: Inductor draws dropout's mask with eager's generator, as eager does)
+    with fp4_inductor.configure(policy="always"), torch._inductor.config.patch(fallback_random=True):
+        compiled = torch.compile(lambda x: make(module, x), backend="fp4attn")
+        out, calls = op_calls(seeded, compiled)
+    assert calls == {"fwd": 0, "bwd": 0}
+    torch.testing.assert_close(out, seeded(lambda x: make(module, x)), rtol=1e-4, atol=1e-5)
+    _captured_within_bound(module.eval(), lambda m, x: m.attn(x, x, x, need_weights=False)[0], x)
 
 
 def test_multihead_attention_under_no_grad_is_inference():
     """The module's weights require grad, but under no_grad nothing trains: the site is
-    an inference site (the policy has rates for those)."""
+    an inference site (the policy has rates for those), and runs our forward."""
     module = SelfAttention().eval()
     x = torch.randn(B, N, E)
     with torch.no_grad():
@@ -149,7 +176,7 @@ def test_multihead_attention_under_no_grad_is_inference():
     assert site.kind == "mha" and not site.training
     (site,) = fp4_inductor.explain(module, x).sites
     assert site.training
-
+    _captured_within_bound(module, lambda m, x: m(x), x)
 
 
 @pytest.mark.parametrize("masks", ["none", "key_padding", "per_head"])
@@ -182,9 +209,10 @@ def test_unbatched_multihead_attention_captured(masks):
 
 
 def test_multihead_attention_mask_that_requires_grad_falls_back():
-    """A learned mask (a relative-position bias, say) needs its gradient: left as written."""
-    mha = nn.MultiheadAttention(E, H, batch_first=True)
-    bias = torch.randn(N, N, requires_grad=True)
+    """A learned mask (a relative-position bias, say) needs its gradient: left as written.
+    Under no_grad nothing trains: the mask is a value, and the site is captured."""
+    mha = _peaked(nn.MultiheadAttention(E, H, batch_first=True))
+    bias = (torch.randn(N, N) * MASK_STD).requires_grad_()
     x = torch.randn(B, N, E)
 
     def attend(x):
@@ -200,6 +228,8 @@ def test_multihead_attention_mask_that_requires_grad_falls_back():
     with torch.no_grad():  # nothing trains: the learned mask is only a value
         report = fp4_inductor.explain(attend, x, policy="always")
     assert [s.path for s in report.sites] == ["fp8"]
+    value = bias.detach()
+    _captured_within_bound(mha, lambda m, x: m(x, x, x, attn_mask=value.to(x.dtype), need_weights=False)[0], x)
 
 
 @pytest.mark.parametrize("norm_first", [False, True])
@@ -252,3 +282,8 @@ def test_explain_says_why_no_site_was_found():
     skipped = torch.compiler.disable(lambda x: torch.nn.functional.scaled_dot_product_attention(x, x, x))
     assert "captured no graph" in str(fp4_inductor.explain(lambda x: skipped(x), torch.randn(1, 2, 8, 32)))
     assert "no attention sites found in 1 graph" in str(fp4_inductor.explain(lambda x: x.sin() * 2, torch.randn(3)))
+    # with key padding in place of the causal mask there is no break: the attention is captured
+    _peaked(encoder.layers[0].self_attn)
+    pad = torch.zeros(2, 16, dtype=torch.bool)
+    pad[1, 10:] = True
+    _captured_within_bound(encoder, lambda m, x: m(x, src_key_padding_mask=pad)[~pad], x)

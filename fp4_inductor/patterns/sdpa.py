@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import operator
 
+import torch
 import torch.fx as fx
 
 from .common import SDPA_BACKENDS, Site, arg, node_kind, module_path, strip_repeat_kv, value
@@ -28,6 +29,8 @@ def match_sdpa(node: fx.Node) -> Site | None:
         site.unsupported = "attn_mask together with is_causal"
     elif not gqa and _heads(q) != _heads(k):
         site.unsupported = "query and key head counts differ without enable_gqa"
+    elif (reason := _mask_reason(site.attn_mask, q)) is not None:
+        site.unsupported = reason
     site.causal = bool(causal) if isinstance(causal, bool) else False
     if site.unsupported is None:
         strip_repeat_kv(site)  # HF repeats K/V before SDPA when it passes a mask
@@ -59,6 +62,21 @@ def match_sdpa_backend(node: fx.Node) -> Site | None:
     if site.unsupported is None:
         structure_site(site)
     return site
+
+
+def _mask_reason(mask, q) -> str | None:
+    """SDPA takes a mask of two or more dimensions, boolean, float32 or of the query's
+    dtype, and raises on any other (an integer 0/1 mask, say), which the low-precision
+    path would read as a bias: left to SDPA, which raises (the eager drop-in) or has
+    raised (a traced call)."""
+    mask, q = value(mask), value(q)
+    if not (isinstance(mask, torch.Tensor) and isinstance(q, torch.Tensor)):
+        return None
+    if mask.dim() < 2:
+        return f"attn_mask of {mask.dim()} dimensions (SDPA refuses it)"
+    if mask.dtype not in (torch.bool, torch.float32, q.dtype):
+        return f"attn_mask dtype {mask.dtype} with {q.dtype} inputs (SDPA refuses it)"
+    return None
 
 
 def _heads(node) -> int | None:
