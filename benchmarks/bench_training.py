@@ -12,6 +12,8 @@ the same run (triton do_bench medians):
     model compiled with ``backend="fp4attn"``), and compiled with ``mode="reduce-overhead"``
     ("ours-direct-graphs": the step replayed as CUDA graphs, without the host's Python;
     forward + backward only);
+  - ours with the one-kernel FP8 backward ("ours-fused": ``FP4ATTN_FUSED_BACKWARD=1``,
+    ``kernels.gluon.attention_bwd_fused``), eagerly;
   - ours, hybrid: the FP8 forward with a BF16 backward (``backward="bf16"``, the policy's
     ``fp8+bf16bwd``), eagerly, with FlashAttention-4's backward ("ours-hybrid-fa4") and
     with torch's cuDNN one ("ours-hybrid-cudnn"), as ``kernels.bf16_backward`` runs them;
@@ -232,7 +234,15 @@ def methods(causal):
     def attend(q, k, v):
         return lowp_attention(q, k, v, is_causal=causal)
 
+    setup = _autograd(attend)
+
+    def fused(leaves, dout):  # the one-kernel FP8 backward (kernels.fused_backward_enabled)
+        fwd_bwd, bwd, grads = _with_env("FP4ATTN_FUSED_BACKWARD", "1", setup, leaves, dout)
+        return (lambda: _with_env("FP4ATTN_FUSED_BACKWARD", "1", fwd_bwd),
+                lambda: _with_env("FP4ATTN_FUSED_BACKWARD", "1", bwd), grads)
+
     return {
+        "ours-fused": fused,
         "ours-hybrid-fa4": _hybrid(causal, "fa4"),
         "ours-hybrid-cudnn": _hybrid(causal, "cudnn"),
         "ours-direct": _autograd(attend),

@@ -431,6 +431,15 @@ def quantize_ds(ds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return _cast(ds / scale, E4M3, E4M3_MAX).float(), scale
 
 
+def ds_pow2_exponent(amax: torch.Tensor) -> torch.Tensor:
+    """The one-kernel backward's dK scale exponent of a key's dS over one query step: the
+    smallest e with rn(amax / 448) <= 2**e, floored at -126 (DS_SCALE_MIN's; also for
+    amax 0).  Integer-valued float32; the kernel reads it from the quotient's bits."""
+    mant, exp = torch.frexp(amax / E4M3_MAX)  # amax / 448 = mant * 2**exp, mant in [0.5, 1)
+    e = torch.where(mant == 0.5, exp - 1, exp).float()
+    return torch.where(mant == 0, -126.0, e).clamp(min=-126.0)
+
+
 # Finite stand-in (log2 units) for -inf and finfo.min in masks: masked keys get P = 0
 # next to any real score.  2**20 keeps 8 x + 120 - 8 m exact in float32, so the codes of
 # a row are well defined whatever it holds.

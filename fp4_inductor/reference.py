@@ -219,6 +219,51 @@ def attention_backward(
     return dq.to(out_dtype), _group_sum(dk, hkv).to(out_dtype), _group_sum(dv, hkv).to(out_dtype)
 
 
+def fused_attention_backward(do8, do_scale, delta, q8, k8, v8t, q_scale, k_scale, v_scale, qe, qe_scale, ke,
+                             ke_scale, bias, row_ref, causal, p_mode, out_dtype):
+    """``attention_backward``'s gradients with the one-kernel backward's numerics
+    (``kernels/gluon/attention_bwd_fused.py``): P, dP and dS as there; dV = Pᵀ·dO summed in
+    float32; dQ = Σ bf16(dS·ke_scale)·Ke over the key blocks, summed in float32; dK from
+    dSᵀ·qe_scale in E4M3 with one power-of-two scale per key that only grows over the
+    kernel's walk (the group's heads in order, each over its query steps of
+    ``formats.ds_block_dk``): when a step needs a larger scale the key's sum is multiplied
+    by the exact power-of-two ratio before the step's product joins it.  SDPA's causal
+    structure or none, no documents."""
+    b, h, nq, d = q8.shape
+    hkv, nk = k8.shape[1], k8.shape[2]
+    group = h // hkv
+    do = do8.float() * do_scale[..., None, None]
+    v = _heads(v8t.transpose(-1, -2), h).float() * _heads(v_scale, h)[..., None, None]
+    ds16_scale = _heads(F.expand_block_scale(ke_scale, nk), h)[..., None, :]  # [B, H, 1, Nk]
+    ke_codes = _heads(ke, h).float()
+    qe_row = F.expand_block_scale(qe_scale, nq)
+    r = row_ref.float()
+    bm = F.ds_block_dk(d)[0]
+    dq = torch.zeros(b, h, nq, ke.shape[-1], device=q8.device)
+    dv = torch.zeros(b, hkv, nk, v8t.shape[-2], device=q8.device)
+    dk = torch.zeros(b, hkv, nk, d, device=q8.device)  # in units of 2**exp_k
+    exp_k = torch.full((b, hkv, nk), -126.0, device=q8.device)
+    for g in range(group):  # query head kv_head * group + g, for every kv head at once
+        heads = slice(g, None, group)
+        for start in range(0, nq, bm):
+            rows = slice(start, min(start + bm, nq))
+            x = log2_scores(q8[:, heads], k8, q_scale[:, heads], k_scale, bias if bias is None else
+                            bias.expand(b, h, nq, nk)[:, heads], causal, slice(0, nk), rows)
+            p = _probability(x, r[:, heads, rows, None], p_mode)
+            dsv = p * (do[:, heads, rows] @ v[:, heads].transpose(-1, -2) - delta[:, heads, rows, None])
+            dv += p.transpose(-1, -2) @ do[:, heads, rows]
+            ds16 = (dsv * ds16_scale[:, heads]).to(torch.bfloat16).float()
+            dq[:, heads, rows] = ds16 @ ke_codes[:, heads]
+            dst = dsv.transpose(-1, -2) * qe_row[:, heads, None, rows]  # [keys, queries]
+            new = torch.maximum(exp_k, F.ds_pow2_exponent(dst.abs().amax(-1)))
+            dk = dk * torch.exp2(exp_k - new)[..., None]
+            exp_k = new
+            codes = F._cast(dst * torch.exp2(-exp_k)[..., None], F.E4M3, F.E4M3_MAX).float()
+            dk += codes @ qe[:, heads, rows].float()
+    dk = dk * torch.exp2(exp_k)[..., None]
+    return dq.to(out_dtype), dk.to(out_dtype), dv.to(out_dtype)
+
+
 def bf16_attention_backward(
     dout: torch.Tensor,
     q: torch.Tensor,

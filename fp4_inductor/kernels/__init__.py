@@ -165,8 +165,21 @@ def _gluon_dkdv(ops, dk, dv, bias, p_mode) -> bool:
     return _run_gluon("attention_bwd_dkdv", "dK/dV", "dkdv_backward", args + (bias, p_mode), args + (ops.key_rows,))
 
 
+def fused_backward_enabled() -> bool:
+    """``FP4ATTN_FUSED_BACKWARD=1``: the one-kernel backward (``kernels.gluon.attention_bwd_fused``,
+    ``reference.fused_attention_backward``'s numerics) where it covers the call.  Off by
+    default until the H200 measures it faster than the two kernels (docs/perf-notes/)."""
+    return os.environ.get("FP4ATTN_FUSED_BACKWARD", "0") == "1"
+
+
 def _backward(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale, qe, qe_scale, ke, ke_scale, bias, row_ref,
               causal, p_mode, dq, dk, dv, diagonal=0, window=0, q_documents=None, k_documents=None):
+    args = (do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale, qe, qe_scale, ke, ke_scale)
+    if fused_backward_enabled() and os.environ.get("TRITON_INTERPRET", "0") != "1" \
+            and _run_gluon("attention_bwd_fused", "fused backward", "fused_backward",
+                           args + (bias, row_ref, causal, p_mode, dq, dk, dv, diagonal, window, q_documents),
+                           args + (row_ref, causal, dq, dk, dv)):
+        return
     ops = _module("triton", "attention_bwd_prep").prepare(
         do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale, qe, qe_scale, ke, ke_scale, bias, row_ref, causal,
         p_mode, dk, dv, diagonal, window, q_documents, k_documents)

@@ -1,0 +1,118 @@
+"""The one-kernel FP8 backward (``kernels.gluon.attention_bwd_fused``) against its numerics
+(``reference.fused_attention_backward``) and against float64 autograd, beside the two
+kernels it replaces; then the backward op alone timed both ways.
+
+    python benchmarks/lab/explore_fused_backward.py [--out results.json]      # an sm_90 GPU
+
+Correctness cases: MHA and GQA, causal and not, a length that is not a multiple of the
+64-query step.  Timing: FlashAttention-3's grid (B * N = 16384, H * D = 2048, D = 128),
+the ``fp4attn::bwd`` op's kernels alone on the same operands (do_bench medians), with the
+fused kernel's own preparation counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: common
+import common as C  # noqa: E402
+
+from fp4_inductor import kernels, quantized  # noqa: E402
+from fp4_inductor import reference as R  # noqa: E402
+from fp4_inductor.attention import lowp_attention  # noqa: E402
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def operands(b, h, hkv, n, d, causal, seed):
+    """The backward op's arguments for random inputs, as ``lowp_attention`` makes them."""
+    torch.manual_seed(seed)
+    q = torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(b, hkv, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    dout = torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16)
+    scale = d ** -0.5
+    out, lse, row_ref, ops = quantized.quantized_forward(q, k, v, None, scale, causal, "fp8", "direct")
+    grad = quantized.grad_operands(dout, out, lse, row_ref, ops, "direct")
+    (q8, k8, v_t, q_scale, k_scale, v_scale) = ops.flat()
+    args = (*grad.do, grad.delta, q8, k8, v_t, q_scale, k_scale, v_scale, *grad.qe, grad.ke.codes,
+            grad.ke.scale * scale, None, row_ref, causal, "direct")
+    return (q, k, v, dout), args
+
+
+def grads_like(args):
+    q8, k8, v_t = args[3], args[4], args[5]
+    dq = torch.empty(q8.shape, device="cuda", dtype=torch.bfloat16)
+    dk = torch.empty(k8.shape, device="cuda", dtype=torch.bfloat16)
+    dv = torch.empty(k8.shape[:-1] + (v_t.shape[-2],), device="cuda", dtype=torch.bfloat16)
+    return dq, dk, dv
+
+
+def run_kernels(args, fused):
+    os.environ["FP4ATTN_FUSED_BACKWARD"] = "1" if fused else "0"
+    dq, dk, dv = (t.fill_(float("nan")) for t in grads_like(args))  # poisoned: every element written
+    kernels.backward_kernel(args[3], "direct")(*args, dq, dk, dv)
+    return dq, dk, dv
+
+
+def check(b, h, hkv, n, causal, seed):
+    inputs, args = operands(b, h, hkv, n, 128, causal, seed)
+    want = R.fused_attention_backward(*args, torch.bfloat16)
+    got = run_kernels(args, True)
+    two = run_kernels(args, False)
+    exact = [t.detach().double().requires_grad_() for t in inputs[:3]]
+    torch.nn.functional.scaled_dot_product_attention(*exact, is_causal=causal, enable_gqa=h != hkv).backward(
+        inputs[3].double())
+    row = {"shape": [b, h, hkv, n, 128], "causal": causal, "seed": seed,
+           "fused_vs_reference": [rel(g, w) for g, w in zip(got, want)],
+           "fused_nan": [bool(g.isnan().any()) for g in got],
+           "fused_vs_fp64": [rel(g, e.grad) for g, e in zip(got, exact)],
+           "two_kernels_vs_fp64": [rel(g, e.grad) for g, e in zip(two, exact)]}
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def timing(n, causal, triton):
+    b, h = C.fa3_shape(n, 128)
+    _, args = operands(b, h, h, n, 128, causal, n)
+    row = {"n": n, "b": b, "h": h, "causal": causal}
+    flops = C.attention_flops(b, h, n, n, 128, causal) * 2.5
+    for name, fused in (("two_kernels", False), ("fused", True)):
+        os.environ["FP4ATTN_FUSED_BACKWARD"] = "1" if fused else "0"
+        grads = grads_like(args)
+        launch = kernels.backward_kernel(args[3], "direct")
+        ms = triton.testing.do_bench(lambda: launch(*args, *grads), warmup=10, rep=60, return_mode="median")
+        row[name + "_ms"], row[name + "_tflops"] = ms, flops / ms * 1e-9
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def main():
+    import triton
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.path.join(C.RESULTS, "lab", "explore_fused_backward_h200.json"))
+    ap.add_argument("--ns", type=int, nargs="*", default=[2048, 4096, 8192, 16384])
+    ap.add_argument("--no-timing", action="store_true")
+    args = ap.parse_args()
+    doc = {"env": C.environment(), "checks": [], "timing": []}
+    for i, (b, h, hkv, n, causal) in enumerate([(1, 2, 2, 1024, True), (1, 2, 2, 1024, False), (2, 4, 2, 1000, True),
+                                                (1, 4, 1, 777, False), (1, 2, 2, 4096, True)]):
+        doc["checks"].append(check(b, h, hkv, n, causal, seed=i))
+    if not args.no_timing:
+        for causal in (True, False):
+            for n in args.ns:
+                doc["timing"].append(timing(n, causal, triton))
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(doc, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,373 @@
+"""One-kernel FP8 backward for Hopper (sm_90) in Gluon, FlashAttention-3's structure, D = 128.
+
+The dK/dV kernel's program (``attention_bwd_dkdv.py``: 128 keys of one K/V head, a
+producer warp streaming the query side through a two-stage ring, two consumer warpgroups
+of 64 keys) computes dQ too, so S, P, dP and dS are made once instead of twice
+(``reference.fused_attention_backward`` is its numerics).  Per step of 64 queries and
+consumer, on transposed tiles [keys, queries]:
+
+  Sᵀ = K·Qᵀ (INT8, exact),  dPᵀ = V·dOᵀ (E4M3 × E5M2),  Pᵀ = Direct-P codes,
+  dSᵀ = Pᵀ ∘ (dPᵀ·do_scale·v_scale − delta)                       (float32, registers)
+  dV += Pᵀ·dO             accumulated by the wgmma, in units of the head's dO scale;
+  dK += E4M3(dSᵀ·qe_scale / 2**e)·Qe   accumulated by the wgmma, e one power of two per
+        key that only grows (``formats.ds_pow2_exponent``): where a step needs a larger
+        one the key's accumulator row is multiplied by the exact ratio first;
+  dQ  = bf16(dS·ke_scale)·Ke   16-bit, so dS needs no second quantization and no
+        transpose: each warpgroup writes its 64 keys of dS to shared memory, both wait for
+        the other's (an mbarrier), and each multiplies all 128 keys by one half of Ke's
+        columns (Ke's codes as bf16, exact); the [64, 64] float32 partial goes to shared
+        memory and a TMA reduce-add sums it into a float32 dQ accumulator in global
+        memory (L2-resident while a head's programs run: perf-notes 2026-12-04).
+
+Versus the two kernels: no dQ kernel recomputing S, P and dP (38-43 % of the backward's
+kernel time), no two-level sums for dK and dV (4 instructions a score and 96 registers at
+D = 128), no token-major Keᵀ.  ``docs/perf-notes/2026-12.md`` has the budget and the
+measurements.
+
+Scope (``supports``): P mode direct, D = 128, no bias, SDPA's causal structure or none,
+GQA; the other calls keep the two kernels (``kernels._backward``).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language import _core as ttgl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from ... import formats as F
+from ..triton.attention_bwd_prep import _token_major_empty, _transpose_all
+from .attention_bwd_dkdv import _p_tile, _padded_rows, _row_vectors
+from .attention_bwd_dq import _issue_s_dp, _permuted_rows, _rows, _token_major_desc
+from .attention_fwd import _REGS, _compile_sm90, _e4m3, _layout, _p_operand, _store_rows, _tensor_desc, _wgmma_layout
+
+BLOCK_N = F.KEY_TILE  # keys per program: one K scale block
+BN_WG = BLOCK_N // 2  # keys per consumer warpgroup
+HEAD_DIM = 128
+HEAD_DIMS = (HEAD_DIM,)
+BM = F.ds_block_dk(HEAD_DIM)[0]  # queries per step
+DQ_COLS = HEAD_DIM // 2  # dQ columns per consumer warpgroup
+NUM_STAGES = 2
+
+# Triton 3.6's ``hopper.tma`` does not export the TMA reduce its builder has
+# (``create_async_tma_reduce``); later Triton does, as ``tma.async_atomic_add``.  It reads
+# shared memory asynchronously, as the TMA store: ``tma.store_wait`` before a rewrite.
+if hasattr(tma, "async_atomic_add"):
+    _reduce_add = tma.async_atomic_add
+else:
+    @ttgl.builtin
+    def _reduce_add(tensor_desc, coord, src, _semantic=None):
+        """Add the shared-memory tile ``src`` into ``tensor_desc``'s block at ``coord``."""
+        coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+        _semantic.builder.create_async_tma_reduce(ttgl.ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
+                                                  src.handle)
+
+
+@gluon.constexpr_function
+def _wgmma16_layout(n, num_warps):
+    """Register layout of a 16-bit-operand wgmma result [rows, n] (K step 16)."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, n, 16])
+
+
+@gluon.jit
+def _pow2(e):
+    """2**e for integer e in [-126, 127], exact (from the exponent bits)."""
+    return ((e + 127) << 23).to(gl.float32, bitcast=True)
+
+
+@gluon.jit
+def _pow2_exponent(amax):
+    """``formats.ds_pow2_exponent``: the smallest e with rn(amax / 448) <= 2**e, from the
+    quotient's bits (exponent, plus one where the mantissa is not zero), floored at -126."""
+    bits = gl.div_rn(amax, 448.0).to(gl.int32, bitcast=True)
+    e = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(gl.int32)
+    return gl.maximum(e, -126)
+
+
+@gluon.jit
+def _query_order(t, BN: gl.constexpr, BM: gl.constexpr):
+    """A [keys, queries] tile whose columns are in the P-operand order of the Q and dO rows
+    (``attention_fwd._key_order``) with its columns in query order: a relabelling."""
+    return t.reshape([BN, BM // 32, 2, 2, 4, 2]).permute((0, 1, 2, 4, 3, 5)).reshape([BN, BM])
+
+
+@gluon.jit
+def _consumer(args, WG: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
+              CAUSAL: gl.constexpr):
+    """Consumer WG, of the program's keys WG·BN .. WG·BN + BN - 1."""
+    dos_ptr, vs_ptr, qes_ptr, kes_ptr, dk_ptr, dv_ptr, dq_desc, smem, bars, out_strides, stride_qes, ks, b, \
+        kv_head, H, GROUP, k0, j_lo, n_q, NQ, NK, NQ_PAD = args
+    k_smem, v_smem, ke16, q_bufs, do_bufs, dot_bufs, qet_bufs, row_bufs, ds_smem, dq_smem = smem
+    kv_bar, q_ready, q_empty, t_ready, t_empty, ds_ready, ds_free = bars
+    D: gl.constexpr = k_smem.shape[3]
+    nw: gl.constexpr = gl.num_warps()
+    s_layout: gl.constexpr = _wgmma_layout(BM, nw)
+    o_layout: gl.constexpr = _wgmma_layout(D, nw)
+    q_layout: gl.constexpr = _wgmma16_layout(D // 2, nw)
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
+    keys = k0 + WG * BN + gl.arange(0, BN, gl.SliceLayout(1, s_layout))
+    last_key = k0 + WG * BN + BN - 1
+    v_scale = gl.load(vs_ptr + b * (H // GROUP) + kv_head)
+    ke_scale = gl.load(kes_ptr)  # the block's (times the softmax scale): dQ's dS factor
+    KEYS: gl.constexpr = k_smem.shape[2]
+    k_op = k_smem.reshape([KEYS, D]).slice(WG * BN, BN)
+    v_op = v_smem.reshape([KEYS, D]).slice(WG * BN, BN)
+    dk = gl.zeros([BN, D], gl.float32, o_layout)  # in units of 2**exp_k a row
+    dv = gl.zeros([BN, D], gl.float32, o_layout)  # in units of the current head's dO scale
+    exp_k = gl.full([BN], -126, gl.int32, gl.SliceLayout(1, s_layout))
+    n_steps = GROUP * n_q
+    do_scale = gl.load(dos_ptr + b * H + kv_head * GROUP)
+    # Also where no query tile sees these keys (causal, n_steps = 0): the program must not
+    # exit while the producer's loads still write its shared memory.
+    mbarrier.wait(kv_bar, 0)
+    for c in range(n_steps):
+        stage = c % STAGES
+        phase = (c // STAGES) & 1
+        buf = c % 2
+        h = kv_head * GROUP + c // n_q  # step c: query tile j_lo + c % n_q of the group's head c // n_q
+        start_m = (j_lo + c % n_q) * BM
+        mbarrier.wait(q_ready.index(stage), phase)
+        s, dp = _issue_s_dp(k_op, q_bufs.index(stage).reshape([BM, D]), v_op,
+                            do_bufs.index(stage).reshape([BM, D]), BN, BM, s_layout)
+        # Also the previous step's dK, dV and dQ products.
+        s, dp = warpgroup_mma_wait(0, deps=(s, dp))
+        mbarrier.arrive(q_empty.index(stage))
+        head_scale = gl.load(dos_ptr + b * H + h)
+        if c % n_q == 0:  # a new head of the group: dV into its dO scale's units
+            dv = dv * (do_scale / head_scale)
+        do_scale = head_scale
+        mbarrier.wait(t_ready.index(stage), phase)  # dOᵀ, Qeᵀ and the row vectors
+        vecs = (row_bufs[0].index(stage), row_bufs[1].index(stage), row_bufs[2].index(stage))
+        whole = (start_m + BM <= NQ) & (last_key < NK)
+        if CAUSAL:
+            whole = whole & (last_key <= start_m)
+        if whole:
+            p8 = _p_tile(start_m, s, keys, vecs, NQ, NK, ks, 0.0, BM, CAUSAL, False, False)
+        else:
+            p8 = _p_tile(start_m, s, keys, vecs, NQ, NK, ks, 0.0, BM, CAUSAL, True, False)
+        dot = dot_bufs.index(stage).reshape([D, BM])
+        dv = warpgroup_mma(_p_operand(p8, a_layout, BN, BM), dot.permute((1, 0)), dv, is_async=True)
+        delta = vecs[2].load(gl.SliceLayout(0, s_layout))
+        ds = p8.to(gl.float32) * (dp * (do_scale * v_scale) - delta[None, :])
+
+        # dQ's operand: this warpgroup's keys of bf16 dS, queries in order, then the other's.
+        mbarrier.wait(ds_free.index(buf), ((c // 2) & 1) ^ 1)  # a fresh barrier counts as released
+        ds_half = ds_smem.index(buf).slice(WG * BN, BN)
+        ds_half.store(_query_order(ds * ke_scale, BN, BM).to(gl.bfloat16))
+        fence_async_shared()
+        gl.thread_barrier()
+        mbarrier.arrive(ds_ready.index(buf))
+
+        # dK's operand: E4M3 codes under each key's running power-of-two scale.
+        qe_scale = gl.load(qes_ptr + (b * H + h) * stride_qes + start_m // 128)  # formats.SCALE_BLOCK
+        dst = ds * qe_scale
+        exp_new = gl.maximum(exp_k, _pow2_exponent(gl.max(gl.abs(dst), 1)))
+        codes = _e4m3(dst * _pow2(-exp_new)[:, None]).to(gl.float8e4nv, bitcast=True)
+        dv = warpgroup_mma_wait(0, deps=(dv,))
+        dk = dk * _rows(_pow2(gl.maximum(exp_k - exp_new, -126)), dk)
+        exp_k = exp_new
+        qet = qet_bufs.index(stage).reshape([D, BM])
+        dk = warpgroup_mma(_p_operand(codes, a_layout, BN, BM), qet.permute((1, 0)), dk, is_async=True)
+
+        # dQ's partial over the program's keys, this warpgroup's half of its columns.
+        mbarrier.wait(ds_ready.index(buf), (c // 2) & 1)
+        dq = warpgroup_mma(ds_smem.index(buf).permute((1, 0)), ke16.index(WG),
+                           gl.zeros([BM, D // 2], gl.float32, q_layout), use_acc=False, is_async=True)
+        dq, dk = warpgroup_mma_wait(0, deps=(dq, dk))
+        mbarrier.arrive(ds_free.index(buf))
+        mbarrier.arrive(t_empty.index(stage))
+        tma.store_wait(0)  # the previous step's reduce has read dq_smem
+        gl.thread_barrier()
+        dq_smem.index(WG).store(dq)
+        fence_async_shared()
+        gl.thread_barrier()
+        _reduce_add(dq_desc, [(b * H + h) * NQ_PAD + start_m, WG * (D // 2)], dq_smem.index(WG))
+
+    tma.store_wait(0)
+    dk = dk * _rows(_pow2(exp_k), dk)
+    dv = dv * do_scale
+    row0 = k0 + WG * BN
+    _store_rows(dk_ptr, dk, row0, 0, b, kv_head, NK, out_strides)
+    _store_rows(dv_ptr, dv, row0, 0, b, kv_head, NK, out_strides)
+
+
+@gluon.jit
+def _producer(args, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr):
+    k_desc, v_desc, ke_desc, q_desc, do_desc, dot_desc, qet_desc, row_desc, smem, bars, b, kv_head, H, GROUP, k0, \
+        j_lo, n_q, NK, NQ_PAD = args
+    k_smem, v_smem, ke16, q_bufs, do_bufs, dot_bufs, qet_bufs, row_bufs, ds_smem, dq_smem = smem
+    kv_bar, q_ready, q_empty, t_ready, t_empty, ds_ready, ds_free = bars
+    mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes
+                    + 2 * ke_desc.block_type.nbytes)
+    for w in gl.static_range(2):
+        tma.async_copy_global_to_shared(k_desc, [b, kv_head, k0 + w * BN, 0], kv_bar, k_smem.slice(w * BN, BN, dim=2))
+        tma.async_copy_global_to_shared(v_desc, [b, kv_head, k0 + w * BN, 0], kv_bar, v_smem.slice(w * BN, BN, dim=2))
+        # Ke's codes as bf16, [128 keys, one half of the columns] a buffer (rows flat over
+        # the heads: keys past NK read the next head's, where dS is 0)
+        tma.async_copy_global_to_shared(ke_desc, [(b * (H // GROUP) + kv_head) * NK + k0, w * ke16.shape[2]], kv_bar,
+                                        ke16.index(w))
+    for c in range(GROUP * n_q):
+        h = kv_head * GROUP + c // n_q
+        start_m = (j_lo + c % n_q) * BM
+        s = c % STAGES
+        phase = (c // STAGES) & 1
+        mbarrier.wait(q_empty.index(s), phase ^ 1)  # a fresh barrier counts as released
+        mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+        chunk = ((b * H + h) * NQ_PAD + start_m) // 16  # _padded_rows
+        tma.async_copy_global_to_shared(q_desc, [chunk, 0, 0, 0, 0], q_ready.index(s), q_bufs.index(s))
+        tma.async_copy_global_to_shared(do_desc, [chunk, 0, 0, 0, 0], q_ready.index(s), do_bufs.index(s))
+        mbarrier.wait(t_empty.index(s), phase ^ 1)
+        mbarrier.expect(t_ready.index(s), dot_desc.block_type.nbytes + qet_desc.block_type.nbytes
+                        + 3 * row_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(dot_desc, [b * H + h, 0, start_m], t_ready.index(s), dot_bufs.index(s))
+        tma.async_copy_global_to_shared(qet_desc, [b * H + h, 0, start_m], t_ready.index(s), qet_bufs.index(s))
+        for i in gl.static_range(3):
+            tma.async_copy_global_to_shared(row_desc, [((b * H + h) * 3 + i) * NQ_PAD + start_m], t_ready.index(s),
+                                            row_bufs[i].index(s))
+
+
+@gluon.jit
+def _pair(STAGES: gl.constexpr, count: gl.constexpr):
+    bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(bar.index(i), count=count)
+    return bar
+
+
+@gluon.jit
+def _barriers(STAGES: gl.constexpr):
+    """(kv_bar, q_ready, q_empty, t_ready, t_empty, ds_ready, ds_free): the load ring's, as
+    the dK/dV kernel's, and the two dS buffers' (both consumers arrive at each)."""
+    once = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(once, count=1)
+    return (once, _pair(STAGES, 1), _pair(STAGES, 2), _pair(STAGES, 1), _pair(STAGES, 2), _pair(2, 2),
+            _pair(2, 2))
+
+
+@gluon.jit
+def _fused_ws(k_desc, v_desc, ke_desc, q_desc, do_desc, dot_desc, qet_desc, row_desc, dq_desc, ks_ptr, vs_ptr,
+              dos_ptr, qes_ptr, kes_ptr, dk_ptr, dv_ptr, stride_ob, stride_oh, stride_on, stride_od, stride_ksh,
+              stride_qes, H, HKV, NQ, NK, NQ_PAD,
+              STAGES: gl.constexpr, CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+    BN: gl.constexpr = k_desc.block_type.shape[2]  # BN_WG
+    BM: gl.constexpr = 16 * q_desc.block_type.shape[0]
+    D: gl.constexpr = k_desc.block_type.shape[3]
+    # Causal: the first keys see the most query tiles; launch them first (they are pid 0).
+    k0 = gl.program_id(0) * 2 * BN
+    b = gl.program_id(1) // HKV
+    kv_head = gl.program_id(1) % HKV
+    GROUP = H // HKV
+    j_lo = k0 // BM if CAUSAL else 0  # query tiles wholly before the first key see none of it
+    n_q = gl.maximum(gl.cdiv(NQ, BM) - j_lo, 0)
+    block = kv_head * stride_ksh + gl.program_id(0)  # [B, Hkv, blocks] scales, batch b's
+    ks = gl.load(ks_ptr + b * (HKV * stride_ksh) + block)
+
+    kv_shape: gl.constexpr = [1, 1, 2 * BN, D]
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, kv_shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, kv_shape, v_desc.layout)
+    ke16 = gl.allocate_shared_memory(gl.bfloat16, [2, 2 * BN, D // 2],
+                                     gl.NVMMASharedLayout.get_default_for([2 * BN, D // 2], gl.bfloat16))
+    q_bufs = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
+    do_bufs = gl.allocate_shared_memory(do_desc.dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
+    dot_bufs = gl.allocate_shared_memory(dot_desc.dtype, [STAGES] + dot_desc.block_type.shape, dot_desc.layout)
+    qet_bufs = gl.allocate_shared_memory(qet_desc.dtype, [STAGES] + qet_desc.block_type.shape, qet_desc.layout)
+    row_bufs = (gl.allocate_shared_memory(gl.float32, [STAGES, BM], row_desc.layout),
+                gl.allocate_shared_memory(gl.float32, [STAGES, BM], row_desc.layout),
+                gl.allocate_shared_memory(gl.float32, [STAGES, BM], row_desc.layout))
+    ds_smem = gl.allocate_shared_memory(gl.bfloat16, [2, 2 * BN, BM],
+                                        gl.NVMMASharedLayout.get_default_for([2 * BN, BM], gl.bfloat16))
+    dq_smem = gl.allocate_shared_memory(gl.float32, [2, BM, D // 2], dq_desc.layout)
+    bars = _barriers(STAGES)
+
+    smem = (k_smem, v_smem, ke16, q_bufs, do_bufs, dot_bufs, qet_bufs, row_bufs, ds_smem, dq_smem)
+    out_strides = (stride_ob, stride_oh, stride_on, stride_od)  # dK's and dV's
+    kes = kes_ptr + b * (HKV * stride_ksh) + block
+    args = (dos_ptr, vs_ptr, qes_ptr, kes, dk_ptr, dv_ptr, dq_desc, smem, bars, out_strides, stride_qes, ks, b,
+            kv_head, H, GROUP, k0, j_lo, n_q, NQ, NK, NQ_PAD)
+    loads = (k_desc, v_desc, ke_desc, q_desc, do_desc, dot_desc, qet_desc, row_desc, smem, bars, b, kv_head, H,
+             GROUP, k0, j_lo, n_q, NK, NQ_PAD)
+    gl.warp_specialize([(_consumer, (args, 0, BM, BN, STAGES, CAUSAL)),
+                        (_consumer, (args, 1, BM, BN, STAGES, CAUSAL)),
+                        (_producer, (loads, BM, BN, STAGES))],
+                       [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+_CONSTEXPRS = dict(STAGES=NUM_STAGES, **_REGS)
+_LAUNCH = dict(num_warps=4, maxnreg=168)
+
+
+def supports(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale, qe, qe_scale, ke, ke_scale, bias, row_ref,
+             causal, p_mode, dq, dk, dv, diagonal, window, q_documents) -> bool:
+    """Whether this kernel can compute the call (module docstring); arguments as
+    ``fused_backward``, then the call's structure."""
+    b, h, nq, d = q.shape
+    hkv, nk = k.shape[1], k.shape[2]
+    return (p_mode == "direct" and bias is None and q_documents is None and not (causal and (diagonal or window))
+            and d == HEAD_DIM and tuple(v_t.shape[-2:]) == (d, nk) and ke.shape[-1] == d and nq > 0 and nk > 0
+            and h % hkv == 0 and b * hkv < 65536  # the grid's second dimension
+            and q.dtype == k.dtype == torch.int8 and do.dtype == F.E5M2 and v_t.dtype == qe.dtype == ke.dtype == F.E4M3
+            and all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (k, ke))
+            and all(t.shape == (b, h, nq) for t in (q_scale, row_ref, delta))
+            and dk.stride() == dv.stride() and all(st >= 0 for st in dk.stride())
+            and b * h * 3 * (nq + BM) < 2**31  # the row vectors' and dQ's 32-bit TMA coordinates
+            and b * hkv * nk < 2**31
+            # dK/dV offsets within a batch are 32-bit (the batch's is 64)
+            and sum((n - 1) * st for n, st in zip(dk.shape[1:], dk.stride()[1:])) < 2**31)
+
+
+def fused_backward(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale, qe, qe_scale, ke, ke_scale, row_ref,
+                   causal, dq, dk, dv):
+    """dQ, dK, dV into ``dq`` [B, H, Nq, D] and ``dk``, ``dv`` [B, Hkv, Nk, D] (one stride
+    set for those two) with ``reference.fused_attention_backward``'s numerics, for the calls
+    ``supports`` accepts; arguments as ``reference.attention_backward``'s.  Its own
+    preparation: token-major dOᵀ and Qeᵀ and row-major V (one transposing launch), Ke's
+    codes as bf16, the float32 dQ accumulator; after the kernel, dQ to its dtype."""
+    b, h, nq, d = q.shape
+    hkv, nk = k.shape[1], k.shape[2]
+    do_scale, delta, q_scale, k_scale, v_scale, qe_scale, ke_scale, row_ref = (
+        t.float().contiguous() for t in (do_scale, delta, q_scale, k_scale, v_scale, qe_scale, ke_scale, row_ref))
+    do_t, qe_t = _token_major_empty(do), _token_major_empty(qe)
+    v = v_t.new_empty(b, hkv, nk, d)
+    _transpose_all([(do, do_t), (qe, qe_t), (v_t, v)])
+    nq_pad = triton.cdiv(nq, BM) * BM
+    kv_block = [1, 1, BN_WG, d]
+    k_desc = TensorDescriptor.from_tensor(k, kv_block, _layout(kv_block, gl.int8))
+    v_desc = TensorDescriptor.from_tensor(v, kv_block, _layout(kv_block, gl.float8e4nv))
+    ke_block = [BLOCK_N, DQ_COLS]
+    ke16 = ke.to(torch.bfloat16).view(b * hkv * nk, d)  # exact: E4M3 values are bf16 values
+    ke_desc = TensorDescriptor.from_tensor(ke16, ke_block, _layout(ke_block, gl.bfloat16))
+    q_desc = _permuted_rows(_padded_rows(q, BM), BM, gl.int8)
+    do_desc = _permuted_rows(_padded_rows(do, BM), BM, gl.float8e5)
+    row_desc, _ = _row_vectors(q_scale, row_ref, delta, BM)
+    dq_acc = torch.zeros(b * h * nq_pad, d, dtype=torch.float32, device=q.device)
+    dq_block = [BM, DQ_COLS]
+    dq_desc = TensorDescriptor.from_tensor(dq_acc, dq_block, _layout(dq_block, gl.float32))
+    _fused_ws[(triton.cdiv(nk, BLOCK_N), b * hkv)](
+        k_desc, v_desc, ke_desc, q_desc, do_desc, _token_major_desc(do_t, BM, gl.float8e5),
+        _token_major_desc(qe_t, BM, gl.float8e4nv), row_desc, dq_desc,
+        k_scale, v_scale, do_scale, qe_scale, ke_scale, dk, dv,
+        *dk.stride(), k_scale.stride(1), qe_scale.stride(1), h, hkv, nq, nk, nq_pad,
+        CAUSAL=bool(causal), **_CONSTEXPRS, **_LAUNCH)
+    dq.copy_(dq_acc.view(b, h, nq_pad, d)[:, :, :nq])
+
+
+def compile_for_sm90(d: int, causal: bool):
+    """Compile without a GPU (Triton's bundled ptxas), for inspection: the compiled kernel."""
+    assert d in HEAD_DIMS
+    sig = {"k_desc": _tensor_desc("i8", [1, 1, BN_WG, d], gl.int8),
+           "v_desc": _tensor_desc("fp8e4nv", [1, 1, BN_WG, d], gl.float8e4nv),
+           "ke_desc": _tensor_desc("bf16", [BLOCK_N, DQ_COLS], gl.bfloat16),
+           "q_desc": _tensor_desc("i8", [BM // 16, 2, 4, 2, d], gl.int8),
+           "do_desc": _tensor_desc("fp8e5", [BM // 16, 2, 4, 2, d], gl.float8e5),
+           "dot_desc": _tensor_desc("fp8e5", [1, d, BM], gl.float8e5),
+           "qet_desc": _tensor_desc("fp8e4nv", [1, d, BM], gl.float8e4nv),
+           "row_desc": _tensor_desc("fp32", [BM], gl.float32),
+           "dq_desc": _tensor_desc("fp32", [BM, DQ_COLS], gl.float32),
+           "dk_ptr": "*bf16", "dv_ptr": "*bf16"}
+    for name in ("ks_ptr", "vs_ptr", "dos_ptr", "qes_ptr", "kes_ptr"):
+        sig[name] = "*fp32"
+    return _compile_sm90(_fused_ws, sig, dict(_CONSTEXPRS, CAUSAL=causal), _LAUNCH)
