@@ -96,9 +96,36 @@ def _query_order(t, BN: gl.constexpr, BM: gl.constexpr):
 
 
 @gluon.jit
+def _dq_product(c, dq_desc, ds_smem, ke16, dq_smem, ds_ready, ds_free, b, H, kv_head, GROUP, j_lo, n_q, NQ_PAD,
+                WG: gl.constexpr, BM: gl.constexpr):
+    """Step c's dQ partial (this warpgroup's half of the columns, over the program's 128
+    keys) from both warpgroups' dS in ``ds_smem``, reduce-added into the float32 dQ (the
+    wait covers every product in flight)."""
+    D: gl.constexpr = 2 * ke16.shape[2]
+    buf = c % 2
+    mbarrier.wait(ds_ready.index(buf), (c // 2) & 1)
+    dq = warpgroup_mma(ds_smem.index(buf).permute((1, 0)), ke16.index(WG),
+                       gl.zeros([BM, D // 2], gl.float32, _wgmma16_layout(D // 2, gl.num_warps())), use_acc=False,
+                       is_async=True)
+    dq = warpgroup_mma_wait(0, deps=(dq,))
+    mbarrier.arrive(ds_free.index(buf))
+    tma.store_wait(0)  # the previous reduce has read dq_smem (the issuing thread waits; then all)
+    gl.thread_barrier()
+    dq_smem.index(WG).store(dq)
+    fence_async_shared()
+    gl.thread_barrier()
+    row = (b * H + kv_head * GROUP + c // n_q) * NQ_PAD + (j_lo + c % n_q) * BM
+    _reduce_add(dq_desc, [row, WG * (D // 2)], dq_smem.index(WG))
+
+
+@gluon.jit
 def _consumer(args, WG: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
               CAUSAL: gl.constexpr):
-    """Consumer WG, of the program's keys WG·BN .. WG·BN + BN - 1."""
+    """Consumer WG, of the program's keys WG·BN .. WG·BN + BN - 1.  Step c's dQ product is
+    issued in step c + 1, after dK's: the other warpgroup's half of dS(c) is ready by then
+    unless it runs a step behind, so the two warpgroups need not keep in step and one's
+    products can run under the other's arithmetic (waiting for dS(c) in step c lost
+    10 % on the H100, docs/perf-notes/)."""
     dos_ptr, vs_ptr, qes_ptr, kes_ptr, dk_ptr, dv_ptr, dq_desc, smem, bars, out_strides, stride_qes, ks, b, \
         kv_head, H, GROUP, k0, j_lo, n_q, NQ, NK, NQ_PAD = args
     k_smem, v_smem, ke16, q_bufs, do_bufs, dot_bufs, qet_bufs, row_bufs, ds_smem, dq_smem = smem
@@ -107,7 +134,6 @@ def _consumer(args, WG: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, STAGES
     nw: gl.constexpr = gl.num_warps()
     s_layout: gl.constexpr = _wgmma_layout(BM, nw)
     o_layout: gl.constexpr = _wgmma_layout(D, nw)
-    q_layout: gl.constexpr = _wgmma16_layout(D // 2, nw)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
     keys = k0 + WG * BN + gl.arange(0, BN, gl.SliceLayout(1, s_layout))
     last_key = k0 + WG * BN + BN - 1
@@ -127,13 +153,11 @@ def _consumer(args, WG: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, STAGES
     for c in range(n_steps):
         stage = c % STAGES
         phase = (c // STAGES) & 1
-        buf = c % 2
         h = kv_head * GROUP + c // n_q  # step c: query tile j_lo + c % n_q of the group's head c // n_q
         start_m = (j_lo + c % n_q) * BM
         mbarrier.wait(q_ready.index(stage), phase)
         s, dp = _issue_s_dp(k_op, q_bufs.index(stage).reshape([BM, D]), v_op,
                             do_bufs.index(stage).reshape([BM, D]), BN, BM, s_layout)
-        # Also the previous step's dK, dV and dQ products.
         s, dp = warpgroup_mma_wait(0, deps=(s, dp))
         mbarrier.arrive(q_empty.index(stage))
         head_scale = gl.load(dos_ptr + b * H + h)
@@ -154,39 +178,34 @@ def _consumer(args, WG: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, STAGES
         delta = vecs[2].load(gl.SliceLayout(0, s_layout))
         ds = p8.to(gl.float32) * (dp * (do_scale * v_scale) - delta[None, :])
 
-        # dQ's operand: this warpgroup's keys of bf16 dS, queries in order, then the other's.
+        # dQ's operand: this warpgroup's keys of bf16 dS, queries in order (step c + 1 multiplies).
+        buf = c % 2
         mbarrier.wait(ds_free.index(buf), ((c // 2) & 1) ^ 1)  # a fresh barrier counts as released
-        ds_half = ds_smem.index(buf).slice(WG * BN, BN)
-        ds_half.store(_query_order(ds * ke_scale, BN, BM).to(gl.bfloat16))
+        ds_smem.index(buf).slice(WG * BN, BN).store(_query_order(ds * ke_scale, BN, BM).to(gl.bfloat16))
         fence_async_shared()
         gl.thread_barrier()
         mbarrier.arrive(ds_ready.index(buf))
 
-        # dK's operand: E4M3 codes under each key's running power-of-two scale.
+        # dK's operand: E4M3 codes of dS·qe_scale under each key's running power-of-two
+        # scale; max(qe |ds|) = rn(qe max|ds|) and a power of two commutes with the rounding,
+        # so one multiply an element gives the reference's codes.
         qe_scale = gl.load(qes_ptr + (b * H + h) * stride_qes + start_m // 128)  # formats.SCALE_BLOCK
-        dst = ds * qe_scale
-        exp_new = gl.maximum(exp_k, _pow2_exponent(gl.max(gl.abs(dst), 1)))
-        codes = _e4m3(dst * _pow2(-exp_new)[:, None]).to(gl.float8e4nv, bitcast=True)
+        exp_new = gl.maximum(exp_k, _pow2_exponent(gl.max(gl.abs(ds), 1) * qe_scale))
+        codes = _e4m3(ds * (qe_scale * _pow2(-exp_new))[:, None]).to(gl.float8e4nv, bitcast=True)
         dv = warpgroup_mma_wait(0, deps=(dv,))
-        dk = dk * _rows(_pow2(gl.maximum(exp_k - exp_new, -126)), dk)
+        if gl.max(exp_new - exp_k, 0) > 0:  # rare after the first steps: skip the multiplies
+            dk = dk * _rows(_pow2(gl.maximum(exp_k - exp_new, -126)), dk)
         exp_k = exp_new
         qet = qet_bufs.index(stage).reshape([D, BM])
         dk = warpgroup_mma(_p_operand(codes, a_layout, BN, BM), qet.permute((1, 0)), dk, is_async=True)
-
-        # dQ's partial over the program's keys, this warpgroup's half of its columns.
-        mbarrier.wait(ds_ready.index(buf), (c // 2) & 1)
-        dq = warpgroup_mma(ds_smem.index(buf).permute((1, 0)), ke16.index(WG),
-                           gl.zeros([BM, D // 2], gl.float32, q_layout), use_acc=False, is_async=True)
-        dq, dk = warpgroup_mma_wait(0, deps=(dq, dk))
-        mbarrier.arrive(ds_free.index(buf))
+        if c > 0:
+            _dq_product(c - 1, dq_desc, ds_smem, ke16, dq_smem, ds_ready, ds_free, b, H, kv_head, GROUP, j_lo, n_q,
+                        NQ_PAD, WG, BM)
+        dk = warpgroup_mma_wait(0, deps=(dk,))
         mbarrier.arrive(t_empty.index(stage))
-        tma.store_wait(0)  # the previous step's reduce has read dq_smem
-        gl.thread_barrier()
-        dq_smem.index(WG).store(dq)
-        fence_async_shared()
-        gl.thread_barrier()
-        _reduce_add(dq_desc, [(b * H + h) * NQ_PAD + start_m, WG * (D // 2)], dq_smem.index(WG))
-
+    if n_steps > 0:
+        _dq_product(n_steps - 1, dq_desc, ds_smem, ke16, dq_smem, ds_ready, ds_free, b, H, kv_head, GROUP, j_lo, n_q,
+                    NQ_PAD, WG, BM)
     tma.store_wait(0)
     dk = dk * _rows(_pow2(exp_k), dk)
     dv = dv * do_scale
