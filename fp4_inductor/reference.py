@@ -223,7 +223,8 @@ def fused_attention_backward(do8, do_scale, delta, q8, k8, v8t, q_scale, k_scale
                              ke_scale, bias, row_ref, causal, p_mode, out_dtype):
     """``attention_backward``'s gradients with the one-kernel backward's numerics
     (``kernels/gluon/attention_bwd_fused.py``): P, dP and dS as there; dV = Pᵀ·dO summed in
-    float32; dQ = Σ bf16(dS·ke_scale)·Ke over the key blocks, summed in float32; dK from
+    float32; dQ = Σ bf16(dS·ke_scale)·Ke, each 128-key block's partial rounded to bf16 and
+    added into a bf16 sum (the kernel's TMA reduce-adds, here in block order); dK from
     dSᵀ·qe_scale in E4M3 with one power-of-two scale per key that only grows over the
     kernel's walk (the group's heads in order, each over its query steps of
     ``formats.ds_block_dk``): when a step needs a larger scale the key's sum is multiplied
@@ -253,7 +254,12 @@ def fused_attention_backward(do8, do_scale, delta, q8, k8, v8t, q_scale, k_scale
             dsv = p * (do[:, heads, rows] @ v[:, heads].transpose(-1, -2) - delta[:, heads, rows, None])
             dv += p.transpose(-1, -2) @ do[:, heads, rows]
             ds16 = (dsv * ds16_scale[:, heads]).to(torch.bfloat16).float()
-            dq[:, heads, rows] = ds16 @ ke_codes[:, heads]
+            acc = torch.zeros_like(dq[:, heads, rows], dtype=torch.bfloat16)
+            for k0 in range(0, nk, F.KEY_TILE):  # the programs' partials, added in bf16
+                block = slice(k0, k0 + F.KEY_TILE)
+                part = (ds16[..., block] @ ke_codes[:, heads, block]).to(torch.bfloat16)
+                acc = (acc.float() + part.float()).to(torch.bfloat16)
+            dq[:, heads, rows] = acc.float()
             dst = dsv.transpose(-1, -2) * qe_row[:, heads, None, rows]  # [keys, queries]
             new = torch.maximum(exp_k, F.ds_pow2_exponent(dst.abs().amax(-1)))
             dk = dk * torch.exp2(exp_k - new)[..., None]

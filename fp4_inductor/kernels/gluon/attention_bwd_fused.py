@@ -99,8 +99,8 @@ def _query_order(t, BN: gl.constexpr, BM: gl.constexpr):
 def _dq_product(c, dq_desc, ds_smem, ke16, dq_smem, ds_ready, ds_free, b, H, kv_head, GROUP, j_lo, n_q, NQ_PAD,
                 WG: gl.constexpr, BM: gl.constexpr):
     """Step c's dQ partial (this warpgroup's half of the columns, over the program's 128
-    keys) from both warpgroups' dS in ``ds_smem``, reduce-added into the float32 dQ (the
-    wait covers every product in flight)."""
+    keys) from both warpgroups' dS in ``ds_smem``, rounded to bf16 and reduce-added into
+    dQ itself (the wait covers every product in flight)."""
     D: gl.constexpr = 2 * ke16.shape[2]
     buf = c % 2
     mbarrier.wait(ds_ready.index(buf), (c // 2) & 1)
@@ -111,11 +111,10 @@ def _dq_product(c, dq_desc, ds_smem, ke16, dq_smem, ds_ready, ds_free, b, H, kv_
     mbarrier.arrive(ds_free.index(buf))
     tma.store_wait(0)  # the previous reduce has read dq_smem (the issuing thread waits; then all)
     gl.thread_barrier()
-    dq_smem.index(WG).store(dq)
+    dq_smem.index(WG).reshape([BM, D // 2]).store(dq.to(gl.bfloat16))
     fence_async_shared()
     gl.thread_barrier()
-    row = (b * H + kv_head * GROUP + c // n_q) * NQ_PAD + (j_lo + c % n_q) * BM
-    _reduce_add(dq_desc, [row, WG * (D // 2)], dq_smem.index(WG))
+    _reduce_add(dq_desc, [b, kv_head * GROUP + c // n_q, (j_lo + c % n_q) * BM, WG * (D // 2)], dq_smem.index(WG))
 
 
 @gluon.jit
@@ -299,7 +298,7 @@ def _fused_ws(k_desc, v_desc, ke_desc, q_desc, do_desc, dot_desc, qet_desc, row_
                 gl.allocate_shared_memory(gl.float32, [STAGES, BM], row_desc.layout))
     ds_smem = gl.allocate_shared_memory(gl.bfloat16, [2, 2 * BN, BM],
                                         gl.NVMMASharedLayout.get_default_for([2 * BN, BM], gl.bfloat16))
-    dq_smem = gl.allocate_shared_memory(gl.float32, [2, BM, D // 2], dq_desc.layout)
+    dq_smem = gl.allocate_shared_memory(gl.bfloat16, [2] + dq_desc.block_type.shape, dq_desc.layout)
     bars = _barriers(STAGES)
 
     smem = (k_smem, v_smem, ke16, q_bufs, do_bufs, dot_bufs, qet_bufs, row_bufs, ds_smem, dq_smem)
@@ -332,6 +331,9 @@ def supports(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale, qe, qe_s
             and all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (k, ke))
             and all(t.shape == (b, h, nq) for t in (q_scale, row_ref, delta))
             and dk.stride() == dv.stride() and all(st >= 0 for st in dk.stride())
+            # dQ is summed in place by TMA reduce-adds in bf16: rows 16-byte aligned, unit last stride
+            and dq.dtype == torch.bfloat16 and dq.stride(-1) == 1 and dq.data_ptr() % 16 == 0
+            and all(st * 2 % 16 == 0 for st in dq.stride()[:-1])
             and b * h * 3 * (nq + BM) < 2**31  # the row vectors' and dQ's 32-bit TMA coordinates
             and b * hkv * nk < 2**31
             # dK/dV offsets within a batch are 32-bit (the batch's is 64)
@@ -362,16 +364,15 @@ def fused_backward(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale, qe
     q_desc = _permuted_rows(_padded_rows(q, BM), BM, gl.int8)
     do_desc = _permuted_rows(_padded_rows(do, BM), BM, gl.float8e5)
     row_desc, _ = _row_vectors(q_scale, row_ref, delta, BM)
-    dq_acc = torch.zeros(b * h * nq_pad, d, dtype=torch.float32, device=q.device)
-    dq_block = [BM, DQ_COLS]
-    dq_desc = TensorDescriptor.from_tensor(dq_acc, dq_block, _layout(dq_block, gl.float32))
+    dq.zero_()  # the kernel adds each 128-key block's bf16 partial into it (TMA reduce-add)
+    dq_block = [1, 1, BM, DQ_COLS]
+    dq_desc = TensorDescriptor(dq, list(dq.shape), list(dq.stride()), dq_block, _layout(dq_block, gl.bfloat16))
     _fused_ws[(triton.cdiv(nk, BLOCK_N), b * hkv)](
         k_desc, v_desc, ke_desc, q_desc, do_desc, _token_major_desc(do_t, BM, gl.float8e5),
         _token_major_desc(qe_t, BM, gl.float8e4nv), row_desc, dq_desc,
         k_scale, v_scale, do_scale, qe_scale, ke_scale, dk, dv,
         *dk.stride(), k_scale.stride(1), qe_scale.stride(1), h, hkv, nq, nk, nq_pad,
         CAUSAL=bool(causal), **_CONSTEXPRS, **_LAUNCH)
-    dq.copy_(dq_acc.view(b, h, nq_pad, d)[:, :, :nq])
 
 
 def compile_for_sm90(d: int, causal: bool):
@@ -385,7 +386,7 @@ def compile_for_sm90(d: int, causal: bool):
            "dot_desc": _tensor_desc("fp8e5", [1, d, BM], gl.float8e5),
            "qet_desc": _tensor_desc("fp8e4nv", [1, d, BM], gl.float8e4nv),
            "row_desc": _tensor_desc("fp32", [BM], gl.float32),
-           "dq_desc": _tensor_desc("fp32", [BM, DQ_COLS], gl.float32),
+           "dq_desc": _tensor_desc("bf16", [1, 1, BM, DQ_COLS], gl.bfloat16),
            "dk_ptr": "*bf16", "dv_ptr": "*bf16"}
     for name in ("ks_ptr", "vs_ptr", "dos_ptr", "qes_ptr", "kes_ptr"):
         sig[name] = "*fp32"
