@@ -97,7 +97,8 @@ def main():
     import triton
 
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=os.path.join(C.RESULTS, "lab", "explore_fused_backward_h200.json"))
+    slug = torch.cuda.get_device_name().lower().replace("nvidia ", "").split()[0]  # h200, h100, ...
+    ap.add_argument("--out", default=os.path.join(C.RESULTS, "lab", f"explore_fused_backward_{slug}.json"))
     ap.add_argument("--ns", type=int, nargs="*", default=[2048, 4096, 8192, 16384])
     ap.add_argument("--no-timing", action="store_true")
     args = ap.parse_args()

@@ -13,16 +13,16 @@ consumer, on transposed tiles [keys, queries]:
         key that only grows (``formats.ds_pow2_exponent``): where a step needs a larger
         one the key's accumulator row is multiplied by the exact ratio first;
   dQ  = bf16(dS·ke_scale)·Ke   16-bit, so dS needs no second quantization and no
-        transpose: each warpgroup writes its 64 keys of dS to shared memory, both wait for
-        the other's (an mbarrier), and each multiplies all 128 keys by one half of Ke's
-        columns (Ke's codes as bf16, exact); the [64, 64] float32 partial goes to shared
-        memory and a TMA reduce-add sums it into a float32 dQ accumulator in global
-        memory (L2-resident while a head's programs run: perf-notes 2026-12-04).
+        transpose: each warpgroup writes its 64 keys of dS to shared memory and, a step
+        later (``_consumer``), multiplies both warpgroups' 128 keys by one half of Ke's
+        columns (Ke's codes as bf16, exact); the [64, 64] partial, rounded to bf16, goes
+        to shared memory and a TMA reduce-add sums it into dQ itself (bf16 sums over the
+        key blocks: +1e-4 to 3e-4 rel-L2 in dQ, priced on the CPU).
 
 Versus the two kernels: no dQ kernel recomputing S, P and dP (38-43 % of the backward's
 kernel time), no two-level sums for dK and dV (4 instructions a score and 96 registers at
-D = 128), no token-major Keᵀ.  ``docs/perf-notes/2026-12.md`` has the budget and the
-measurements.
+D = 128), no token-major Keᵀ.  Measured on an H100 (``docs/perf-notes/2026-12.md``), the
+float32-reduce versions ran 0.88-0.97x the two kernels; this one is not measured yet.
 
 Scope (``supports``): P mode direct, D = 128, no bias, SDPA's causal structure or none,
 GQA; the other calls keep the two kernels (``kernels._backward``).
@@ -109,12 +109,17 @@ def _dq_product(c, dq_desc, ds_smem, ke16, dq_smem, ds_ready, ds_free, b, H, kv_
                        is_async=True)
     dq = warpgroup_mma_wait(0, deps=(dq,))
     mbarrier.arrive(ds_free.index(buf))
-    tma.store_wait(0)  # the previous reduce has read dq_smem (the issuing thread waits; then all)
+    # Two staging buffers a warpgroup: the reduce of step c - 2 has read this one (the
+    # issuing thread waits; the barrier makes every thread wait with it), step c - 1's may
+    # still run.  A 16 KB float32 reduce takes ~0.5 us of an SM's share of the rate measured
+    # in L2 (3.85 TB/s, perf-notes 2026-12-04): waiting for the last one stalled each step.
+    tma.store_wait(1)
     gl.thread_barrier()
-    dq_smem.index(WG).reshape([BM, D // 2]).store(dq.to(gl.bfloat16))
+    staged = dq_smem.index(2 * WG + buf)
+    staged.reshape([BM, D // 2]).store(dq.to(gl.bfloat16))
     fence_async_shared()
     gl.thread_barrier()
-    _reduce_add(dq_desc, [b, kv_head * GROUP + c // n_q, (j_lo + c % n_q) * BM, WG * (D // 2)], dq_smem.index(WG))
+    _reduce_add(dq_desc, [b, kv_head * GROUP + c // n_q, (j_lo + c % n_q) * BM, WG * (D // 2)], staged)
 
 
 @gluon.jit
@@ -298,7 +303,7 @@ def _fused_ws(k_desc, v_desc, ke_desc, q_desc, do_desc, dot_desc, qet_desc, row_
                 gl.allocate_shared_memory(gl.float32, [STAGES, BM], row_desc.layout))
     ds_smem = gl.allocate_shared_memory(gl.bfloat16, [2, 2 * BN, BM],
                                         gl.NVMMASharedLayout.get_default_for([2 * BN, BM], gl.bfloat16))
-    dq_smem = gl.allocate_shared_memory(gl.bfloat16, [2] + dq_desc.block_type.shape, dq_desc.layout)
+    dq_smem = gl.allocate_shared_memory(gl.bfloat16, [4] + dq_desc.block_type.shape, dq_desc.layout)
     bars = _barriers(STAGES)
 
     smem = (k_smem, v_smem, ke16, q_bufs, do_bufs, dot_bufs, qet_bufs, row_bufs, ds_smem, dq_smem)
