@@ -3,6 +3,8 @@
 kernels it replaces; then the backward op alone timed both ways.
 
     python benchmarks/lab/explore_fused_backward.py [--out results.json]      # an sm_90 GPU
+    ncu --section SpeedOfLight --section SchedulerStats --section WarpStateStats -k regex:_fused_ws -c 1 \
+        python benchmarks/lab/explore_fused_backward.py --profile-one 16384   # one causal launch for ncu
 
 Correctness cases: MHA and GQA, causal and not, a length that is not a multiple of the
 64-query step.  Timing: FlashAttention-3's grid (B * N = 16384, H * D = 2048, D = 128),
@@ -101,7 +103,15 @@ def main():
     ap.add_argument("--out", default=os.path.join(C.RESULTS, "lab", f"explore_fused_backward_{slug}.json"))
     ap.add_argument("--ns", type=int, nargs="*", default=[2048, 4096, 8192, 16384])
     ap.add_argument("--no-timing", action="store_true")
+    ap.add_argument("--profile-one", type=int, default=0, metavar="N",
+                    help="only launch the fused backward once at this causal length (for ncu)")
     args = ap.parse_args()
+    if args.profile_one:
+        b, h = C.fa3_shape(args.profile_one, 128)
+        _, ops = operands(b, h, h, args.profile_one, 128, True, 0)
+        run_kernels(ops, True)
+        torch.cuda.synchronize()
+        return
     doc = {"env": C.environment(), "checks": [], "timing": []}
     for i, (b, h, hkv, n, causal) in enumerate([(1, 2, 2, 1024, True), (1, 2, 2, 1024, False), (2, 4, 2, 1000, True),
                                                 (1, 4, 1, 777, False), (1, 2, 2, 4096, True)]):
