@@ -371,16 +371,17 @@ def test_nan_in_grad_output_reaches_the_gradients_like_reference(d):
         assert torch.equal(got.isnan(), want.isnan()), name
 
 
-FUSED_SHAPES = [  # (B, H, Hkv, Nq, Nk): GQA, Nq != Nk both ways, lengths off the 64-query step
-    (1, 2, 2, 1024, 1024),
-    (2, 4, 2, 203, 799),
-    (1, 8, 2, 1000, 640),
-    (1, 4, 1, 4224, 4224),
+FUSED_SHAPES = [  # (B, H, Hkv, Nq, Nk, D): GQA, Nq != Nk both ways, lengths off the query step
+    (1, 2, 2, 1024, 1024, 128),
+    (2, 4, 2, 203, 799, 128),
+    (1, 8, 2, 1000, 640, 64),
+    (1, 4, 1, 4224, 4224, 128),
+    (1, 4, 2, 2048, 2048, 64),
 ]
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("shape", FUSED_SHAPES, ids=lambda s: "b{}h{}kv{}q{}k{}".format(*s))
+@pytest.mark.parametrize("shape", FUSED_SHAPES, ids=lambda s: "b{}h{}kv{}q{}k{}d{}".format(*s))
 def test_fused_backward_matches_its_reference(shape, causal, monkeypatch):
     """The one-kernel backward (``FP4ATTN_FUSED_BACKWARD=1``) against
     ``reference.fused_attention_backward`` on the same operands: every element written
@@ -398,7 +399,7 @@ def test_fused_backward_matches_its_reference(shape, causal, monkeypatch):
     monkeypatch.setattr(attention_bwd_fused, "fused_backward", lambda *args: calls.append(1) or launch(*args))
     monkeypatch.setattr(kernels, "_gluon_failed", set())
     monkeypatch.setenv("FP4ATTN_FUSED_BACKWARD", "1")
-    ops = operands(*shape, 128, "direct", causal)
+    ops = operands(*shape, "direct", causal)
     grads, _ = run(ops, causal, "direct", out_dtype=torch.bfloat16, debug=False, dispatch=True)
     assert calls and not kernels._gluon_failed, "the fused kernel did not run"
     want = R.fused_attention_backward(*ops, causal, "direct", torch.bfloat16)

@@ -208,14 +208,14 @@ def test_ds_pow2_exponent_is_the_smallest_power_that_fits():
     assert fits.all() and not (tighter & (e > -126)).any()
 
 
-@pytest.mark.parametrize("causal", [False, True])
-def test_fused_backward_numerics(causal, fresh_seed):
+@pytest.mark.parametrize("causal,d", [(False, 128), (True, 128), (True, 64)])
+def test_fused_backward_numerics(causal, d, fresh_seed):
     """``reference.fused_attention_backward`` (the one-kernel backward's numerics): dV is
     the two-kernel reference's (the same formula: float32 order aside), GQA sums its group
     over the kernel's walk, and dQ, dK stay within the two-kernel reference's error against
     fp64 (measured at N = 1024, D = 128: dQ 0.070 vs 0.072, dK 0.073 vs 0.072)."""
     torch.manual_seed(fresh_seed)
-    b, h, hkv, n, d = 1, 4, 2, 320, 128
+    b, h, hkv, n = 1, 4, 2, 320
     q = torch.randn(b, h, n, d, dtype=torch.float64)
     k, v = (torch.randn(b, hkv, n, d, dtype=torch.float64) for _ in range(2))
     g = torch.randn(b, h, n, d)

@@ -6,8 +6,8 @@ kernels it replaces; then the backward op alone timed both ways.
     ncu --section SpeedOfLight --section SchedulerStats --section WarpStateStats -k regex:_fused_ws -c 1 \
         python benchmarks/lab/explore_fused_backward.py --profile-one 16384   # one causal launch for ncu
 
-Correctness cases: MHA and GQA, causal and not, a length that is not a multiple of the
-64-query step.  Timing: FlashAttention-3's grid (B * N = 16384, H * D = 2048, D = 128),
+Correctness cases: MHA and GQA, causal and not, D = 128 and 64, lengths that are not a
+multiple of the query step.  Timing: FlashAttention-3's grid (B * N = 16384, H * D = 2048),
 the ``fp4attn::bwd`` op's kernels alone on the same operands (do_bench medians), with the
 fused kernel's own preparation counted.
 """
@@ -63,15 +63,15 @@ def run_kernels(args, fused):
     return dq, dk, dv
 
 
-def check(b, h, hkv, n, causal, seed):
-    inputs, args = operands(b, h, hkv, n, 128, causal, seed)
+def check(b, h, hkv, n, d, causal, seed):
+    inputs, args = operands(b, h, hkv, n, d, causal, seed)
     want = R.fused_attention_backward(*args, torch.bfloat16)
     got = run_kernels(args, True)
     two = run_kernels(args, False)
     exact = [t.detach().double().requires_grad_() for t in inputs[:3]]
     torch.nn.functional.scaled_dot_product_attention(*exact, is_causal=causal, enable_gqa=h != hkv).backward(
         inputs[3].double())
-    row = {"shape": [b, h, hkv, n, 128], "causal": causal, "seed": seed,
+    row = {"shape": [b, h, hkv, n, d], "causal": causal, "seed": seed,
            "fused_vs_reference": [rel(g, w) for g, w in zip(got, want)],
            "fused_nan": [bool(g.isnan().any()) for g in got],
            "fused_vs_fp64": [rel(g, e.grad) for g, e in zip(got, exact)],
@@ -80,11 +80,11 @@ def check(b, h, hkv, n, causal, seed):
     return row
 
 
-def timing(n, causal, triton):
-    b, h = C.fa3_shape(n, 128)
-    _, args = operands(b, h, h, n, 128, causal, n)
-    row = {"n": n, "b": b, "h": h, "causal": causal}
-    flops = C.attention_flops(b, h, n, n, 128, causal) * 2.5
+def timing(n, d, causal, triton):
+    b, h = C.fa3_shape(n, d)
+    _, args = operands(b, h, h, n, d, causal, n)
+    row = {"n": n, "d": d, "b": b, "h": h, "causal": causal}
+    flops = C.attention_flops(b, h, n, n, d, causal) * 2.5
     for name, fused in (("two_kernels", False), ("fused", True)):
         os.environ["FP4ATTN_FUSED_BACKWARD"] = "1" if fused else "0"
         grads = grads_like(args)
@@ -102,6 +102,7 @@ def main():
     slug = torch.cuda.get_device_name().lower().replace("nvidia ", "").split()[0]  # h200, h100, ...
     ap.add_argument("--out", default=os.path.join(C.RESULTS, "lab", f"explore_fused_backward_{slug}.json"))
     ap.add_argument("--ns", type=int, nargs="*", default=[2048, 4096, 8192, 16384])
+    ap.add_argument("--ds", type=int, nargs="*", default=[128, 64])
     ap.add_argument("--no-timing", action="store_true")
     ap.add_argument("--profile-one", type=int, default=0, metavar="N",
                     help="only launch the fused backward once at this causal length (for ncu)")
@@ -113,13 +114,15 @@ def main():
         torch.cuda.synchronize()
         return
     doc = {"env": C.environment(), "checks": [], "timing": []}
-    for i, (b, h, hkv, n, causal) in enumerate([(1, 2, 2, 1024, True), (1, 2, 2, 1024, False), (2, 4, 2, 1000, True),
-                                                (1, 4, 1, 777, False), (1, 2, 2, 4096, True)]):
-        doc["checks"].append(check(b, h, hkv, n, causal, seed=i))
+    cases = [(1, 2, 2, 1024, 128, True), (1, 2, 2, 1024, 128, False), (2, 4, 2, 1000, 128, True),
+             (1, 4, 1, 777, 128, False), (1, 2, 2, 4096, 128, True), (1, 4, 2, 1000, 64, True), (1, 2, 2, 2048, 64, False)]
+    for i, case in enumerate(cases):
+        doc["checks"].append(check(*case, seed=i))
     if not args.no_timing:
-        for causal in (True, False):
-            for n in args.ns:
-                doc["timing"].append(timing(n, causal, triton))
+        for d in args.ds:
+            for causal in (True, False):
+                for n in args.ns:
+                    doc["timing"].append(timing(n, d, causal, triton))
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(doc, f, indent=1)

@@ -1,10 +1,11 @@
-"""One-kernel FP8 backward for Hopper (sm_90) in Gluon, FlashAttention-3's structure, D = 128.
+"""One-kernel FP8 backward for Hopper (sm_90) in Gluon, FlashAttention-3's structure, D = 64 and 128.
 
 The dK/dV kernel's program (``attention_bwd_dkdv.py``: 128 keys of one K/V head, a
 producer warp streaming the query side through a two-stage ring, two consumer warpgroups
 of 64 keys) computes dQ too, so S, P, dP and dS are made once instead of twice
-(``reference.fused_attention_backward`` is its numerics).  Per step of 64 queries and
-consumer, on transposed tiles [keys, queries]:
+(``reference.fused_attention_backward`` is its numerics).  Per step of queries
+(``formats.ds_block_dk``: 64 at D = 128, 128 at D = 64) and consumer, on transposed tiles
+[keys, queries]:
 
   Sᵀ = K·Qᵀ (INT8, exact),  dPᵀ = V·dOᵀ (E4M3 × E5M2),  Pᵀ = Direct-P codes,
   dSᵀ = Pᵀ ∘ (dPᵀ·do_scale·v_scale − delta)                       (float32, registers)
@@ -15,7 +16,7 @@ consumer, on transposed tiles [keys, queries]:
   dQ  = bf16(dS·ke_scale)·Ke   16-bit, so dS needs no second quantization and no
         transpose: each warpgroup writes its 64 keys of dS to shared memory and, a step
         later (``_consumer``), multiplies both warpgroups' 128 keys by one half of Ke's
-        columns (Ke's codes as bf16, exact); the [64, 64] partial, rounded to bf16, goes
+        columns (Ke's codes as bf16, exact); the [queries, D / 2] partial, rounded to bf16, goes
         to shared memory and a TMA reduce-add sums it into dQ itself (bf16 sums over the
         key blocks: +1e-4 to 3e-4 rel-L2 in dQ, priced on the CPU).
 
@@ -24,7 +25,7 @@ kernel time), no two-level sums for dK and dV (4 instructions a score and 96 reg
 D = 128), no token-major Keᵀ.  Measured on an H100 (``docs/perf-notes/2026-12.md``), the
 float32-reduce versions ran 0.88-0.97x the two kernels; this one is not measured yet.
 
-Scope (``supports``): P mode direct, D = 128, no bias, SDPA's causal structure or none,
+Scope (``supports``): P mode direct, D = 64 or 128, no bias, SDPA's causal structure or none,
 GQA; the other calls keep the two kernels (``kernels._backward``).
 """
 
@@ -47,10 +48,7 @@ from .attention_fwd import _REGS, _compile_sm90, _e4m3, _layout, _p_operand, _st
 
 BLOCK_N = F.KEY_TILE  # keys per program: one K scale block
 BN_WG = BLOCK_N // 2  # keys per consumer warpgroup
-HEAD_DIM = 128
-HEAD_DIMS = (HEAD_DIM,)
-BM = F.ds_block_dk(HEAD_DIM)[0]  # queries per step
-DQ_COLS = HEAD_DIM // 2  # dQ columns per consumer warpgroup
+HEAD_DIMS = (64, 128)
 NUM_STAGES = 2
 
 # Triton 3.6's ``hopper.tma`` does not export the TMA reduce its builder has
@@ -330,7 +328,7 @@ def supports(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale, qe, qe_s
     b, h, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
     return (p_mode == "direct" and bias is None and q_documents is None and not (causal and (diagonal or window))
-            and d == HEAD_DIM and tuple(v_t.shape[-2:]) == (d, nk) and ke.shape[-1] == d and nq > 0 and nk > 0
+            and d in HEAD_DIMS and tuple(v_t.shape[-2:]) == (d, nk) and ke.shape[-1] == d and nq > 0 and nk > 0
             and h % hkv == 0 and b * hkv < 65536  # the grid's second dimension
             and q.dtype == k.dtype == torch.int8 and do.dtype == F.E5M2 and v_t.dtype == qe.dtype == ke.dtype == F.E4M3
             and all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (k, ke))
@@ -339,7 +337,7 @@ def supports(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale, qe, qe_s
             # dQ is summed in place by TMA reduce-adds in bf16: rows 16-byte aligned, unit last stride
             and dq.dtype == torch.bfloat16 and dq.stride(-1) == 1 and dq.data_ptr() % 16 == 0
             and all(st * 2 % 16 == 0 for st in dq.stride()[:-1])
-            and b * h * 3 * (nq + BM) < 2**31  # the row vectors' and dQ's 32-bit TMA coordinates
+            and b * h * 3 * (nq + 128) < 2**31  # the row vectors' 32-bit TMA coordinates
             and b * hkv * nk < 2**31
             # dK/dV offsets within a batch are 32-bit (the batch's is 64)
             and sum((n - 1) * st for n, st in zip(dk.shape[1:], dk.stride()[1:])) < 2**31)
@@ -359,22 +357,23 @@ def fused_backward(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale, qe
     do_t, qe_t = _token_major_empty(do), _token_major_empty(qe)
     v = v_t.new_empty(b, hkv, nk, d)
     _transpose_all([(do, do_t), (qe, qe_t), (v_t, v)])
-    nq_pad = triton.cdiv(nq, BM) * BM
+    bm = F.ds_block_dk(d)[0]  # queries a step: the queries of one dK scale step
+    nq_pad = triton.cdiv(nq, bm) * bm
     kv_block = [1, 1, BN_WG, d]
     k_desc = TensorDescriptor.from_tensor(k, kv_block, _layout(kv_block, gl.int8))
     v_desc = TensorDescriptor.from_tensor(v, kv_block, _layout(kv_block, gl.float8e4nv))
-    ke_block = [BLOCK_N, DQ_COLS]
+    ke_block = [BLOCK_N, d // 2]
     ke16 = ke.to(torch.bfloat16).view(b * hkv * nk, d)  # exact: E4M3 values are bf16 values
     ke_desc = TensorDescriptor.from_tensor(ke16, ke_block, _layout(ke_block, gl.bfloat16))
-    q_desc = _permuted_rows(_padded_rows(q, BM), BM, gl.int8)
-    do_desc = _permuted_rows(_padded_rows(do, BM), BM, gl.float8e5)
-    row_desc, _ = _row_vectors(q_scale, row_ref, delta, BM)
+    q_desc = _permuted_rows(_padded_rows(q, bm), bm, gl.int8)
+    do_desc = _permuted_rows(_padded_rows(do, bm), bm, gl.float8e5)
+    row_desc, _ = _row_vectors(q_scale, row_ref, delta, bm)
     dq.zero_()  # the kernel adds each 128-key block's bf16 partial into it (TMA reduce-add)
-    dq_block = [1, 1, BM, DQ_COLS]
+    dq_block = [1, 1, bm, d // 2]
     dq_desc = TensorDescriptor(dq, list(dq.shape), list(dq.stride()), dq_block, _layout(dq_block, gl.bfloat16))
     _fused_ws[(triton.cdiv(nk, BLOCK_N), b * hkv)](
-        k_desc, v_desc, ke_desc, q_desc, do_desc, _token_major_desc(do_t, BM, gl.float8e5),
-        _token_major_desc(qe_t, BM, gl.float8e4nv), row_desc, dq_desc,
+        k_desc, v_desc, ke_desc, q_desc, do_desc, _token_major_desc(do_t, bm, gl.float8e5),
+        _token_major_desc(qe_t, bm, gl.float8e4nv), row_desc, dq_desc,
         k_scale, v_scale, do_scale, qe_scale, ke_scale, dk, dv,
         *dk.stride(), k_scale.stride(1), qe_scale.stride(1), h, hkv, nq, nk, nq_pad,
         CAUSAL=bool(causal), **_CONSTEXPRS, **_LAUNCH)
@@ -383,15 +382,16 @@ def fused_backward(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale, qe
 def compile_for_sm90(d: int, causal: bool):
     """Compile without a GPU (Triton's bundled ptxas), for inspection: the compiled kernel."""
     assert d in HEAD_DIMS
+    bm = F.ds_block_dk(d)[0]
     sig = {"k_desc": _tensor_desc("i8", [1, 1, BN_WG, d], gl.int8),
            "v_desc": _tensor_desc("fp8e4nv", [1, 1, BN_WG, d], gl.float8e4nv),
-           "ke_desc": _tensor_desc("bf16", [BLOCK_N, DQ_COLS], gl.bfloat16),
-           "q_desc": _tensor_desc("i8", [BM // 16, 2, 4, 2, d], gl.int8),
-           "do_desc": _tensor_desc("fp8e5", [BM // 16, 2, 4, 2, d], gl.float8e5),
-           "dot_desc": _tensor_desc("fp8e5", [1, d, BM], gl.float8e5),
-           "qet_desc": _tensor_desc("fp8e4nv", [1, d, BM], gl.float8e4nv),
-           "row_desc": _tensor_desc("fp32", [BM], gl.float32),
-           "dq_desc": _tensor_desc("bf16", [1, 1, BM, DQ_COLS], gl.bfloat16),
+           "ke_desc": _tensor_desc("bf16", [BLOCK_N, d // 2], gl.bfloat16),
+           "q_desc": _tensor_desc("i8", [bm // 16, 2, 4, 2, d], gl.int8),
+           "do_desc": _tensor_desc("fp8e5", [bm // 16, 2, 4, 2, d], gl.float8e5),
+           "dot_desc": _tensor_desc("fp8e5", [1, d, bm], gl.float8e5),
+           "qet_desc": _tensor_desc("fp8e4nv", [1, d, bm], gl.float8e4nv),
+           "row_desc": _tensor_desc("fp32", [bm], gl.float32),
+           "dq_desc": _tensor_desc("bf16", [1, 1, bm, d // 2], gl.bfloat16),
            "dk_ptr": "*bf16", "dv_ptr": "*bf16"}
     for name in ("ks_ptr", "vs_ptr", "dos_ptr", "qes_ptr", "kes_ptr"):
         sig[name] = "*fp32"
