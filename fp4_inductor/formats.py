@@ -433,10 +433,11 @@ def quantize_ds(ds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def ds_pow2_exponent(amax: torch.Tensor) -> torch.Tensor:
     """The one-kernel backward's dK scale exponent of a key's dS over one query step: the
-    smallest e with rn(amax / 448) <= 2**e, floored at -126 (DS_SCALE_MIN's; also for
-    amax 0).  Integer-valued float32; the kernel reads it from the quotient's bits."""
-    mant, exp = torch.frexp(amax / E4M3_MAX)  # amax / 448 = mant * 2**exp, mant in [0.5, 1)
-    e = torch.where(mant == 0.5, exp - 1, exp).float()
+    smallest e with amax <= 448 * 2**e (the codes dS / 2**e then fit E4M3), floored at
+    -126 (DS_SCALE_MIN's; also for amax 0).  Exact: no division rounds it.  Integer-valued
+    float32; the kernel reads it from amax's bits."""
+    mant, exp = torch.frexp(amax)  # amax = mant * 2**exp, mant in [0.5, 1); 448 = 0.875 * 2**9
+    e = (exp - 9 + (mant > 0.875).int()).float()
     return torch.where(mant == 0, -126.0, e).clamp(min=-126.0)
 
 

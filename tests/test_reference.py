@@ -196,15 +196,15 @@ def test_padded_training_compiled_with_dynamic_lengths():
 
 
 def test_ds_pow2_exponent_is_the_smallest_power_that_fits():
-    """``formats.ds_pow2_exponent``: the smallest e with rn(amax / 448) <= 2**e, floored at
-    -126, on random magnitudes, exact powers of two times 448, and zero."""
+    """``formats.ds_pow2_exponent``: the smallest e with amax <= 448 * 2**e, floored at -126,
+    on random magnitudes, 448 times powers of two and their neighbours, and zero."""
+    edges = 448 * torch.exp2(torch.arange(-130, 40).float())
     amax = torch.cat([torch.randn(4096).abs() * torch.exp2(torch.randint(-140, 60, (4096,)).float()),
-                      448 * torch.exp2(torch.arange(-130, 40).float()), torch.zeros(1)])
-    e = F.ds_pow2_exponent(amax)
-    x = (amax / F.E4M3_MAX).double()
+                      edges, torch.nextafter(edges, torch.tensor(float("inf"))), torch.zeros(1)])
+    e = F.ds_pow2_exponent(amax).double()
     assert (e >= -126).all() and (e == e.round()).all()
-    fits = x <= torch.exp2(e.double())
-    tighter = x <= torch.exp2(e.double() - 1)
+    fits = amax.double() <= 448 * torch.exp2(e)
+    tighter = amax.double() <= 448 * torch.exp2(e - 1)
     assert fits.all() and not (tighter & (e > -126)).any()
 
 

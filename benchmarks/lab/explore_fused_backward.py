@@ -7,7 +7,7 @@ kernels it replaces; then the backward op alone timed both ways.
         python benchmarks/lab/explore_fused_backward.py --profile-one 16384   # one causal launch for ncu
 
 Correctness cases: MHA and GQA, causal and not, D = 128 and 64, lengths that are not a
-multiple of the query step.  Timing: FlashAttention-3's grid (B * N = 16384, H * D = 2048),
+multiple of the query step, and one long GQA row (the wgmma accumulates a whole group).  Timing: FlashAttention-3's grid (B * N = 16384, H * D = 2048),
 the ``fp4attn::bwd`` op's kernels alone on the same operands (do_bench medians), with the
 fused kernel's own preparation counted.
 """
@@ -115,7 +115,10 @@ def main():
         return
     doc = {"env": C.environment(), "checks": [], "timing": []}
     cases = [(1, 2, 2, 1024, 128, True), (1, 2, 2, 1024, 128, False), (2, 4, 2, 1000, 128, True),
-             (1, 4, 1, 777, 128, False), (1, 2, 2, 4096, 128, True), (1, 4, 2, 1000, 64, True), (1, 2, 2, 2048, 64, False)]
+             (1, 4, 1, 777, 128, False), (1, 2, 2, 4096, 128, True), (1, 4, 2, 1000, 64, True), (1, 2, 2, 2048, 64, False),
+             # dV and dK sum a GQA group's every query step in the FP8 wgmma's accumulator, which keeps
+             # ~14 bits: at 1k-4k the error against the reference grew 1.5e-3 -> 3.2e-3 (H100)
+             (1, 4, 1, 16384, 128, True)]
     for i, case in enumerate(cases):
         doc["checks"].append(check(*case, seed=i))
     if not args.no_timing:

@@ -79,10 +79,11 @@ def _pow2(e):
 
 @gluon.jit
 def _pow2_exponent(amax):
-    """``formats.ds_pow2_exponent``: the smallest e with rn(amax / 448) <= 2**e, from the
-    quotient's bits (exponent, plus one where the mantissa is not zero), floored at -126."""
-    bits = gl.div_rn(amax, 448.0).to(gl.int32, bitcast=True)
-    e = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(gl.int32)
+    """``formats.ds_pow2_exponent``: the smallest e with amax <= 448 * 2**e, floored at
+    -126, from amax's bits: with amax = m 2**E (1 <= m < 2) and 448 = 1.75 * 2**8, e = E - 8,
+    plus one where m > 1.75 (mantissa bits above 0x600000).  No division."""
+    bits = amax.to(gl.int32, bitcast=True)
+    e = ((bits >> 23) & 0xFF) - 135 + ((bits & 0x7FFFFF) > 0x600000).to(gl.int32)
     return gl.maximum(e, -126)
 
 
@@ -106,13 +107,12 @@ def _dq_product(c, dq_desc, ds_smem, ke16, dq_smem, ds_ready, ds_free, b, H, kv_
                        gl.zeros([BM, D // 2], gl.float32, _wgmma16_layout(D // 2, gl.num_warps())), use_acc=False,
                        is_async=True)
     dq = warpgroup_mma_wait(0, deps=(dq,))
-    mbarrier.arrive(ds_free.index(buf))
-    # Two staging buffers a warpgroup: the reduce of step c - 2 has read this one (the
-    # issuing thread waits; the barrier makes every thread wait with it), step c - 1's may
-    # still run.  A 16 KB float32 reduce takes ~0.5 us of an SM's share of the rate measured
-    # in L2 (3.85 TB/s, perf-notes 2026-12-04): waiting for the last one stalled each step.
+    # Two staging buffers a warpgroup: the reduce of step c - 2 has read this one, step
+    # c - 1's may still run (the float32 partials' version waited for the last reduce and
+    # stalled: an 8 KB reduce is ~0.25 us of an SM's share of the 3.85 TB/s measured in L2).
+    # The issuing thread waits; the arrive's partition barrier makes every thread wait with it.
     tma.store_wait(1)
-    gl.thread_barrier()
+    mbarrier.arrive(ds_free.index(buf))
     staged = dq_smem.index(2 * WG + buf)
     staged.reshape([BM, D // 2]).store(dq.to(gl.bfloat16))
     fence_async_shared()
@@ -188,15 +188,16 @@ def _consumer(args, WG: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, STAGES
         gl.thread_barrier()
         mbarrier.arrive(ds_ready.index(buf))
 
-        # dK's operand: E4M3 codes of dS·qe_scale under each key's running power-of-two
-        # scale; max(qe |ds|) = rn(qe max|ds|) and a power of two commutes with the rounding,
-        # so one multiply an element gives the reference's codes.
+        # dK's operand: E4M3 codes of dS·qe_scale under each key's running power-of-two scale
+        # (two multiplies, as the reference: qe_scale·2**-e overflows where e is -126).
         qe_scale = gl.load(qes_ptr + (b * H + h) * stride_qes + start_m // 128)  # formats.SCALE_BLOCK
-        exp_new = gl.maximum(exp_k, _pow2_exponent(gl.max(gl.abs(ds), 1) * qe_scale))
-        codes = _e4m3(ds * (qe_scale * _pow2(-exp_new))[:, None]).to(gl.float8e4nv, bitcast=True)
+        dst = ds * qe_scale
+        exp_new = gl.maximum(exp_k, _pow2_exponent(gl.max(gl.abs(dst), 1)))
+        codes = _e4m3(dst * _pow2(-exp_new)[:, None]).to(gl.float8e4nv, bitcast=True)
         dv = warpgroup_mma_wait(0, deps=(dv,))
-        if gl.max(exp_new - exp_k, 0) > 0:  # rare after the first steps: skip the multiplies
-            dk = dk * _rows(_pow2(gl.maximum(exp_k - exp_new, -126)), dk)
+        # Every step, though a key's scale rarely grows after the first ones: a warpgroup-wide
+        # test of that costs a shared-memory reduction and 3-4 partition barriers a step.
+        dk = dk * _rows(_pow2(gl.maximum(exp_k - exp_new, -126)), dk)
         exp_k = exp_new
         qet = qet_bufs.index(stage).reshape([D, BM])
         dk = warpgroup_mma(_p_operand(codes, a_layout, BN, BM), qet.permute((1, 0)), dk, is_async=True)
@@ -328,7 +329,8 @@ def supports(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale, qe, qe_s
     b, h, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
     return (p_mode == "direct" and bias is None and q_documents is None and not (causal and (diagonal or window))
-            and d in HEAD_DIMS and tuple(v_t.shape[-2:]) == (d, nk) and ke.shape[-1] == d and nq > 0 and nk > 0
+            and d in HEAD_DIMS and tuple(v_t.shape[-2:]) == (d, nk) and ke.shape == k.shape and nq > 0 and nk > 0
+            and ke_scale.shape == k_scale.shape and tuple(dq.shape) == (b, h, nq, d)  # read alike / by dQ's shape
             and h % hkv == 0 and b * hkv < 65536  # the grid's second dimension
             and q.dtype == k.dtype == torch.int8 and do.dtype == F.E5M2 and v_t.dtype == qe.dtype == ke.dtype == F.E4M3
             and all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (k, ke))
@@ -349,7 +351,7 @@ def fused_backward(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale, qe
     set for those two) with ``reference.fused_attention_backward``'s numerics, for the calls
     ``supports`` accepts; arguments as ``reference.attention_backward``'s.  Its own
     preparation: token-major dOᵀ and Qeᵀ and row-major V (one transposing launch), Ke's
-    codes as bf16, the float32 dQ accumulator; after the kernel, dQ to its dtype."""
+    codes as bf16; dQ zeroed, for the kernel's bf16 reduce-adds."""
     b, h, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
     do_scale, delta, q_scale, k_scale, v_scale, qe_scale, ke_scale, row_ref = (
