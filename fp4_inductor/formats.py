@@ -434,11 +434,12 @@ def quantize_ds(ds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def ds_pow2_exponent(amax: torch.Tensor) -> torch.Tensor:
     """The one-kernel backward's dK scale exponent of a key's dS over one query step: the
     smallest e with amax <= 448 * 2**e (the codes dS / 2**e then fit E4M3), floored at
-    -126 (DS_SCALE_MIN's; also for amax 0).  Exact: no division rounds it.  Integer-valued
-    float32; the kernel reads it from amax's bits."""
-    mant, exp = torch.frexp(amax)  # amax = mant * 2**exp, mant in [0.5, 1); 448 = 0.875 * 2**9
-    e = (exp - 9 + (mant > 0.875).int()).float()
-    return torch.where(mant == 0, -126.0, e).clamp(min=-126.0)
+    -126 (DS_SCALE_MIN's; also for amax 0).  Exact, from float32 amax's bits as the kernel
+    reads them: amax = m 2**E (1 <= m < 2) and 448 = 1.75 * 2**8 give e = E - 8, plus one
+    where m > 1.75 (mantissa bits above 0x600000).  Integer-valued float32."""
+    bits = amax.float().contiguous().view(torch.int32)
+    e = ((bits >> 23) & 0xFF) - 135 + ((bits & 0x7FFFFF) > 0x600000).int()
+    return e.clamp(min=-126).float()
 
 
 # Finite stand-in (log2 units) for -inf and finfo.min in masks: masked keys get P = 0
