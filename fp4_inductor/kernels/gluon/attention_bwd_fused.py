@@ -95,7 +95,7 @@ def _query_order(t, BN: gl.constexpr, BM: gl.constexpr):
 
 
 @gluon.jit
-def _dq_product(c, dq_desc, ds_smem, ke16, dq_smem, ds_ready, ds_free, b, H, kv_head, GROUP, j_lo, n_q, NQ_PAD,
+def _dq_product(c, dq_desc, ds_smem, ke16, dq_smem, ds_ready, ds_free, b, H, kv_head, GROUP, j_lo, n_q,
                 WG: gl.constexpr, BM: gl.constexpr):
     """Step c's dQ partial (this warpgroup's half of the columns, over the program's 128
     keys) from both warpgroups' dS in ``ds_smem``, rounded to bf16 and reduce-added into
@@ -108,9 +108,9 @@ def _dq_product(c, dq_desc, ds_smem, ke16, dq_smem, ds_ready, ds_free, b, H, kv_
                        is_async=True)
     dq = warpgroup_mma_wait(0, deps=(dq,))
     # Two staging buffers a warpgroup: the reduce of step c - 2 has read this one, step
-    # c - 1's may still run (the float32 partials' version waited for the last reduce and
-    # stalled: an 8 KB reduce is ~0.25 us of an SM's share of the 3.85 TB/s measured in L2).
-    # The issuing thread waits; the arrive's partition barrier makes every thread wait with it.
+    # c - 1's may still run (the float32 version had one and waited for the last reduce;
+    # an 8 KB reduce is ~0.25 us of an SM's share of the 3.85 TB/s measured in L2).  The
+    # issuing thread waits; the arrive's partition barrier makes every thread wait with it.
     tma.store_wait(1)
     mbarrier.arrive(ds_free.index(buf))
     staged = dq_smem.index(2 * WG + buf)
@@ -125,11 +125,11 @@ def _consumer(args, WG: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, STAGES
               CAUSAL: gl.constexpr):
     """Consumer WG, of the program's keys WG·BN .. WG·BN + BN - 1.  Step c's dQ product is
     issued in step c + 1, after dK's: the other warpgroup's half of dS(c) is ready by then
-    unless it runs a step behind, so the two warpgroups need not keep in step and one's
-    products can run under the other's arithmetic (waiting for dS(c) in step c lost
-    10 % on the H100, docs/perf-notes/)."""
+    unless it runs a step behind, so the two warpgroups need not keep in step (issued in
+    step c, it held them in step; on the H100 the two orders measured within 1 %,
+    docs/perf-notes/)."""
     dos_ptr, vs_ptr, qes_ptr, kes_ptr, dk_ptr, dv_ptr, dq_desc, smem, bars, out_strides, stride_qes, ks, b, \
-        kv_head, H, GROUP, k0, j_lo, n_q, NQ, NK, NQ_PAD = args
+        kv_head, H, GROUP, k0, j_lo, n_q, NQ, NK = args
     k_smem, v_smem, ke16, q_bufs, do_bufs, dot_bufs, qet_bufs, row_bufs, ds_smem, dq_smem = smem
     kv_bar, q_ready, q_empty, t_ready, t_empty, ds_ready, ds_free = bars
     D: gl.constexpr = k_smem.shape[3]
@@ -203,12 +203,12 @@ def _consumer(args, WG: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, STAGES
         dk = warpgroup_mma(_p_operand(codes, a_layout, BN, BM), qet.permute((1, 0)), dk, is_async=True)
         if c > 0:
             _dq_product(c - 1, dq_desc, ds_smem, ke16, dq_smem, ds_ready, ds_free, b, H, kv_head, GROUP, j_lo, n_q,
-                        NQ_PAD, WG, BM)
+                        WG, BM)
         dk = warpgroup_mma_wait(0, deps=(dk,))
         mbarrier.arrive(t_empty.index(stage))
     if n_steps > 0:
         _dq_product(n_steps - 1, dq_desc, ds_smem, ke16, dq_smem, ds_ready, ds_free, b, H, kv_head, GROUP, j_lo, n_q,
-                    NQ_PAD, WG, BM)
+                    WG, BM)
     tma.store_wait(0)
     dk = dk * _rows(_pow2(exp_k), dk)
     dv = dv * do_scale
@@ -309,7 +309,7 @@ def _fused_ws(k_desc, v_desc, ke_desc, q_desc, do_desc, dot_desc, qet_desc, row_
     out_strides = (stride_ob, stride_oh, stride_on, stride_od)  # dK's and dV's
     kes = kes_ptr + b * (HKV * stride_ksh) + block
     args = (dos_ptr, vs_ptr, qes_ptr, kes, dk_ptr, dv_ptr, dq_desc, smem, bars, out_strides, stride_qes, ks, b,
-            kv_head, H, GROUP, k0, j_lo, n_q, NQ, NK, NQ_PAD)
+            kv_head, H, GROUP, k0, j_lo, n_q, NQ, NK)
     loads = (k_desc, v_desc, ke_desc, q_desc, do_desc, dot_desc, qet_desc, row_desc, smem, bars, b, kv_head, H,
              GROUP, k0, j_lo, n_q, NK, NQ_PAD)
     gl.warp_specialize([(_consumer, (args, 0, BM, BN, STAGES, CAUSAL)),
