@@ -50,6 +50,13 @@ BLOCK_N = F.KEY_TILE  # keys per program: one K scale block
 BN_WG = BLOCK_N // 2  # keys per consumer warpgroup
 HEAD_DIMS = (64, 128)
 NUM_STAGES = 2
+# Query steps between flushes of the dK and dV sums into float32 (0: none).  The FP8
+# wgmma's accumulator keeps ~14 bits; summed over a whole GQA row it may lose several
+# per cent at 16k (benchmarks/lab/fp8_accumulation.py).  A flush adds a warpgroup's sums,
+# scaled, into a float32 scratch of its own rows (relaxed atomic adds, no reads) and
+# restarts them; dK's running exponent carries on, so the codes stay the reference's.
+# Off until the H200 measures what the sums lose and what a flush costs (A/B runs).
+FLUSH_STEPS = 0
 
 # Triton 3.6's ``hopper.tma`` does not export the TMA reduce its builder has
 # (``create_async_tma_reduce``); later Triton does, as ``tma.async_atomic_add``.  It reads
@@ -121,15 +128,34 @@ def _dq_product(c, dq_desc, ds_smem, ke16, dq_smem, ds_ready, ds_free, b, H, kv_
 
 
 @gluon.jit
+def _add_rows(ptr, tile, row0):
+    """``tile`` [rows, D] added into the contiguous float32 rows row0.. at ``ptr`` (relaxed
+    atomic adds: a reduction instruction an element, nothing read back)."""
+    layout: gl.constexpr = tile.type.layout
+    rows = row0 + gl.arange(0, tile.shape[0], gl.SliceLayout(1, layout))
+    cols = gl.arange(0, tile.shape[1], gl.SliceLayout(0, layout))
+    gl.atomic_add(ptr + rows[:, None] * tile.shape[1] + cols[None, :], tile, sem="relaxed")
+
+
+@gluon.jit
+def _load_rows(ptr, like, row0):
+    """The contiguous float32 rows row0.. at ``ptr`` in ``like``'s shape and layout."""
+    layout: gl.constexpr = like.type.layout
+    rows = row0 + gl.arange(0, like.shape[0], gl.SliceLayout(1, layout))
+    cols = gl.arange(0, like.shape[1], gl.SliceLayout(0, layout))
+    return gl.load(ptr + rows[:, None] * like.shape[1] + cols[None, :])
+
+
+@gluon.jit
 def _consumer(args, WG: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
-              CAUSAL: gl.constexpr):
+              CAUSAL: gl.constexpr, FLUSH: gl.constexpr):
     """Consumer WG, of the program's keys WG·BN .. WG·BN + BN - 1.  Step c's dQ product is
     issued in step c + 1, after dK's: the other warpgroup's half of dS(c) is ready by then
     unless it runs a step behind, so the two warpgroups need not keep in step (issued in
     step c, it held them in step; on the H100 the two orders measured within 1 %,
     docs/perf-notes/)."""
     dos_ptr, vs_ptr, qes_ptr, kes_ptr, dk_ptr, dv_ptr, dq_desc, smem, bars, out_strides, stride_qes, ks, b, \
-        kv_head, H, GROUP, k0, j_lo, n_q, NQ, NK = args
+        kv_head, H, GROUP, k0, j_lo, n_q, NQ, NK, dk_sums, dv_sums = args
     k_smem, v_smem, ke16, q_bufs, do_bufs, dot_bufs, qet_bufs, row_bufs, ds_smem, dq_smem = smem
     kv_bar, q_ready, q_empty, t_ready, t_empty, ds_ready, ds_free = bars
     D: gl.constexpr = k_smem.shape[3]
@@ -206,12 +232,21 @@ def _consumer(args, WG: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, STAGES
                         WG, BM)
         dk = warpgroup_mma_wait(0, deps=(dk,))
         mbarrier.arrive(t_empty.index(stage))
+        if FLUSH > 0:
+            if (c + 1) % FLUSH == 0:
+                _add_rows(dk_sums, dk * _rows(_pow2(exp_k), dk), WG * BN)
+                _add_rows(dv_sums, dv * do_scale, WG * BN)
+                dk = gl.zeros_like(dk)
+                dv = gl.zeros_like(dv)
     if n_steps > 0:
         _dq_product(n_steps - 1, dq_desc, ds_smem, ke16, dq_smem, ds_ready, ds_free, b, H, kv_head, GROUP, j_lo, n_q,
                     WG, BM)
     tma.store_wait(0)
     dk = dk * _rows(_pow2(exp_k), dk)
     dv = dv * do_scale
+    if FLUSH > 0:  # the flushed sums: rows of this warpgroup alone, added by its own threads
+        dk = dk + _load_rows(dk_sums, dk, WG * BN)
+        dv = dv + _load_rows(dv_sums, dv, WG * BN)
     row0 = k0 + WG * BN
     _store_rows(dk_ptr, dk, row0, 0, b, kv_head, NK, out_strides)
     _store_rows(dv_ptr, dv, row0, 0, b, kv_head, NK, out_strides)
@@ -272,9 +307,10 @@ def _barriers(STAGES: gl.constexpr):
 
 @gluon.jit
 def _fused_ws(k_desc, v_desc, ke_desc, q_desc, do_desc, dot_desc, qet_desc, row_desc, dq_desc, ks_ptr, vs_ptr,
-              dos_ptr, qes_ptr, kes_ptr, dk_ptr, dv_ptr, stride_ob, stride_oh, stride_on, stride_od, stride_ksh,
-              stride_qes, H, HKV, NQ, NK, NQ_PAD,
-              STAGES: gl.constexpr, CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+              dos_ptr, qes_ptr, kes_ptr, dk_ptr, dv_ptr, dk_sums_ptr, dv_sums_ptr, stride_ob, stride_oh, stride_on,
+              stride_od, stride_ksh, stride_qes, H, HKV, NQ, NK, NQ_PAD,
+              STAGES: gl.constexpr, CAUSAL: gl.constexpr, FLUSH: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+              PRODUCER_REGS: gl.constexpr):
     BN: gl.constexpr = k_desc.block_type.shape[2]  # BN_WG
     BM: gl.constexpr = 16 * q_desc.block_type.shape[0]
     D: gl.constexpr = k_desc.block_type.shape[3]
@@ -308,12 +344,14 @@ def _fused_ws(k_desc, v_desc, ke_desc, q_desc, do_desc, dot_desc, qet_desc, row_
     smem = (k_smem, v_smem, ke16, q_bufs, do_bufs, dot_bufs, qet_bufs, row_bufs, ds_smem, dq_smem)
     out_strides = (stride_ob, stride_oh, stride_on, stride_od)  # dK's and dV's
     kes = kes_ptr + b * (HKV * stride_ksh) + block
+    # The flushed sums' rows of this program ([B, Hkv, blocks * 128, D] float32; FLUSH only).
+    sums = ((b * HKV + kv_head).to(gl.int64) * gl.num_programs(0) * (2 * BN) + k0) * D
     args = (dos_ptr, vs_ptr, qes_ptr, kes, dk_ptr, dv_ptr, dq_desc, smem, bars, out_strides, stride_qes, ks, b,
-            kv_head, H, GROUP, k0, j_lo, n_q, NQ, NK)
+            kv_head, H, GROUP, k0, j_lo, n_q, NQ, NK, dk_sums_ptr + sums, dv_sums_ptr + sums)
     loads = (k_desc, v_desc, ke_desc, q_desc, do_desc, dot_desc, qet_desc, row_desc, smem, bars, b, kv_head, H,
              GROUP, k0, j_lo, n_q, NK, NQ_PAD)
-    gl.warp_specialize([(_consumer, (args, 0, BM, BN, STAGES, CAUSAL)),
-                        (_consumer, (args, 1, BM, BN, STAGES, CAUSAL)),
+    gl.warp_specialize([(_consumer, (args, 0, BM, BN, STAGES, CAUSAL, FLUSH)),
+                        (_consumer, (args, 1, BM, BN, STAGES, CAUSAL, FLUSH)),
                         (_producer, (loads, BM, BN, STAGES))],
                        [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -373,15 +411,18 @@ def fused_backward(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale, qe
     dq.zero_()  # the kernel adds each 128-key block's bf16 partial into it (TMA reduce-add)
     dq_block = [1, 1, bm, d // 2]
     dq_desc = TensorDescriptor(dq, list(dq.shape), list(dq.stride()), dq_block, _layout(dq_block, gl.bfloat16))
-    _fused_ws[(triton.cdiv(nk, BLOCK_N), b * hkv)](
+    blocks = triton.cdiv(nk, BLOCK_N)
+    sums = ((torch.zeros(b, hkv, blocks * BLOCK_N, d, dtype=torch.float32, device=q.device) for _ in range(2))
+            if FLUSH_STEPS else (dk, dv))  # never read without flushes
+    _fused_ws[(blocks, b * hkv)](
         k_desc, v_desc, ke_desc, q_desc, do_desc, _token_major_desc(do_t, bm, gl.float8e5),
         _token_major_desc(qe_t, bm, gl.float8e4nv), row_desc, dq_desc,
-        k_scale, v_scale, do_scale, qe_scale, ke_scale, dk, dv,
+        k_scale, v_scale, do_scale, qe_scale, ke_scale, dk, dv, *sums,
         *dk.stride(), k_scale.stride(1), qe_scale.stride(1), h, hkv, nq, nk, nq_pad,
-        CAUSAL=bool(causal), **_CONSTEXPRS, **_LAUNCH)
+        CAUSAL=bool(causal), FLUSH=FLUSH_STEPS, **_CONSTEXPRS, **_LAUNCH)
 
 
-def compile_for_sm90(d: int, causal: bool):
+def compile_for_sm90(d: int, causal: bool, flush: int = FLUSH_STEPS):
     """Compile without a GPU (Triton's bundled ptxas), for inspection: the compiled kernel."""
     assert d in HEAD_DIMS
     bm = F.ds_block_dk(d)[0]
@@ -394,7 +435,7 @@ def compile_for_sm90(d: int, causal: bool):
            "qet_desc": _tensor_desc("fp8e4nv", [1, d, bm], gl.float8e4nv),
            "row_desc": _tensor_desc("fp32", [bm], gl.float32),
            "dq_desc": _tensor_desc("bf16", [1, 1, bm, d // 2], gl.bfloat16),
-           "dk_ptr": "*bf16", "dv_ptr": "*bf16"}
+           "dk_ptr": "*bf16", "dv_ptr": "*bf16", "dk_sums_ptr": "*fp32", "dv_sums_ptr": "*fp32"}
     for name in ("ks_ptr", "vs_ptr", "dos_ptr", "qes_ptr", "kes_ptr"):
         sig[name] = "*fp32"
-    return _compile_sm90(_fused_ws, sig, dict(_CONSTEXPRS, CAUSAL=causal), _LAUNCH)
+    return _compile_sm90(_fused_ws, sig, dict(_CONSTEXPRS, CAUSAL=causal, FLUSH=flush), _LAUNCH)
