@@ -208,14 +208,18 @@ def _hybrid(causal, only):
     def attend(q, k, v):
         return lowp_attention(q, k, v, is_causal=causal, backward="bf16")
 
-    setup = _autograd(attend)
+    return _under_env("FP4ATTN_BF16_BACKWARD", only, _autograd(attend))
 
-    def setup_only(leaves, dout):
-        fwd_bwd, bwd, grads = _with_env("FP4ATTN_BF16_BACKWARD", only, setup, leaves, dout)
-        return (lambda: _with_env("FP4ATTN_BF16_BACKWARD", only, fwd_bwd),
-                lambda: _with_env("FP4ATTN_BF16_BACKWARD", only, bwd), grads)
 
-    return setup_only
+def _under_env(var, value, setup):
+    """``setup`` whose setup and timed calls all run with the environment's ``var`` set to
+    ``value`` (the backward kernels read their switches at call time)."""
+
+    def setup_under(leaves, dout):
+        fwd_bwd, bwd, grads = _with_env(var, value, setup, leaves, dout)
+        return lambda: _with_env(var, value, fwd_bwd), lambda: _with_env(var, value, bwd), grads
+
+    return setup_under
 
 
 def _with_env(var, value, fn, *args):
@@ -234,18 +238,12 @@ def methods(causal):
     def attend(q, k, v):
         return lowp_attention(q, k, v, is_causal=causal)
 
-    setup = _autograd(attend)
-
-    def fused(leaves, dout):  # the one-kernel FP8 backward (kernels.fused_backward_enabled)
-        fwd_bwd, bwd, grads = _with_env("FP4ATTN_FUSED_BACKWARD", "1", setup, leaves, dout)
-        return (lambda: _with_env("FP4ATTN_FUSED_BACKWARD", "1", fwd_bwd),
-                lambda: _with_env("FP4ATTN_FUSED_BACKWARD", "1", bwd), grads)
-
+    direct = _autograd(attend)
     return {
-        "ours-fused": fused,
+        "ours-fused": _under_env("FP4ATTN_FUSED_BACKWARD", "1", direct),  # kernels.fused_backward_enabled
         "ours-hybrid-fa4": _hybrid(causal, "fa4"),
         "ours-hybrid-cudnn": _hybrid(causal, "cudnn"),
-        "ours-direct": _autograd(attend),
+        "ours-direct": direct,
         "ours-direct-compiled": _autograd(torch.compile(attend, fullgraph=True, dynamic=False)),
         "ours-direct-graphs": _autograd(torch.compile(attend, fullgraph=True, dynamic=False, mode="reduce-overhead"),
                                         cuda_graphs=True),

@@ -27,7 +27,6 @@ import common as C  # noqa: E402
 from fp4_inductor import kernels, quantized  # noqa: E402
 from fp4_inductor import reference as R  # noqa: E402
 from fp4_inductor.kernels.gluon import attention_bwd_fused  # noqa: E402
-from fp4_inductor.attention import lowp_attention  # noqa: E402
 
 
 def rel(a, b):

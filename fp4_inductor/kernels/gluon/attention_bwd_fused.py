@@ -128,22 +128,25 @@ def _dq_product(c, dq_desc, ds_smem, ke16, dq_smem, ds_ready, ds_free, b, H, kv_
 
 
 @gluon.jit
+def _row_ptrs(ptr, like, row0):
+    """Pointers to the contiguous rows row0.. at ``ptr`` in ``like``'s shape and layout."""
+    layout: gl.constexpr = like.type.layout
+    rows = row0 + gl.arange(0, like.shape[0], gl.SliceLayout(1, layout))
+    cols = gl.arange(0, like.shape[1], gl.SliceLayout(0, layout))
+    return ptr + rows[:, None] * like.shape[1] + cols[None, :]
+
+
+@gluon.jit
 def _add_rows(ptr, tile, row0):
     """``tile`` [rows, D] added into the contiguous float32 rows row0.. at ``ptr`` (relaxed
     atomic adds: a reduction instruction an element, nothing read back)."""
-    layout: gl.constexpr = tile.type.layout
-    rows = row0 + gl.arange(0, tile.shape[0], gl.SliceLayout(1, layout))
-    cols = gl.arange(0, tile.shape[1], gl.SliceLayout(0, layout))
-    gl.atomic_add(ptr + rows[:, None] * tile.shape[1] + cols[None, :], tile, sem="relaxed")
+    gl.atomic_add(_row_ptrs(ptr, tile, row0), tile, sem="relaxed")
 
 
 @gluon.jit
 def _load_rows(ptr, like, row0):
     """The contiguous float32 rows row0.. at ``ptr`` in ``like``'s shape and layout."""
-    layout: gl.constexpr = like.type.layout
-    rows = row0 + gl.arange(0, like.shape[0], gl.SliceLayout(1, layout))
-    cols = gl.arange(0, like.shape[1], gl.SliceLayout(0, layout))
-    return gl.load(ptr + rows[:, None] * like.shape[1] + cols[None, :])
+    return gl.load(_row_ptrs(ptr, like, row0))
 
 
 @gluon.jit
