@@ -12,8 +12,9 @@ the same run (triton do_bench medians):
     model compiled with ``backend="fp4attn"``), and compiled with ``mode="reduce-overhead"``
     ("ours-direct-graphs": the step replayed as CUDA graphs, without the host's Python;
     forward + backward only);
-  - ours with the one-kernel FP8 backward ("ours-fused": ``FP4ATTN_FUSED_BACKWARD=1``,
-    ``kernels.gluon.attention_bwd_fused``), eagerly;
+  - ours with the one-kernel FP8 backward (``FP4ATTN_FUSED_BACKWARD=1``,
+    ``kernels.gluon.attention_bwd_fused``): eagerly ("ours-fused"), compiled
+    ("ours-fused-compiled") and as CUDA graphs ("ours-fused-graphs");
   - ours, hybrid: the FP8 forward with a BF16 backward (``backward="bf16"``, the policy's
     ``fp8+bf16bwd``), eagerly, with FlashAttention-4's backward ("ours-hybrid-fa4") and
     with torch's cuDNN one ("ours-hybrid-cudnn"), as ``kernels.bf16_backward`` runs them;
@@ -238,15 +239,23 @@ def methods(causal):
     def attend(q, k, v):
         return lowp_attention(q, k, v, is_causal=causal)
 
+    def compiled(mode="default"):
+        return _autograd(torch.compile(attend, fullgraph=True, dynamic=False, mode=mode),
+                         cuda_graphs=mode == "reduce-overhead")
+
+    def fused(setup):  # kernels.fused_backward_enabled
+        return _under_env("FP4ATTN_FUSED_BACKWARD", "1", setup)
+
     direct = _autograd(attend)
     return {
-        "ours-fused": _under_env("FP4ATTN_FUSED_BACKWARD", "1", direct),  # kernels.fused_backward_enabled
+        "ours-fused": fused(direct),
+        "ours-fused-compiled": fused(compiled()),
+        "ours-fused-graphs": fused(compiled("reduce-overhead")),
         "ours-hybrid-fa4": _hybrid(causal, "fa4"),
         "ours-hybrid-cudnn": _hybrid(causal, "cudnn"),
         "ours-direct": direct,
-        "ours-direct-compiled": _autograd(torch.compile(attend, fullgraph=True, dynamic=False)),
-        "ours-direct-graphs": _autograd(torch.compile(attend, fullgraph=True, dynamic=False, mode="reduce-overhead"),
-                                        cuda_graphs=True),
+        "ours-direct-compiled": compiled(),
+        "ours-direct-graphs": compiled("reduce-overhead"),
         "sdpa-cudnn-bf16": _sdpa("CUDNN_ATTENTION", causal),
         "sdpa-flash-bf16": _sdpa("FLASH_ATTENTION", causal),
         "fa4-bf16": _fa4(causal),
