@@ -218,7 +218,8 @@ def _under_env(var, value, setup):
 
     def setup_under(leaves, dout):
         fwd_bwd, bwd, grads = _with_env(var, value, setup, leaves, dout)
-        return lambda: _with_env(var, value, fwd_bwd), lambda: _with_env(var, value, bwd), grads
+        under = [None if fn is None else (lambda fn=fn: _with_env(var, value, fn)) for fn in (fwd_bwd, bwd)]
+        return (*under, grads)
 
     return setup_under
 
@@ -239,8 +240,13 @@ def methods(causal):
     def attend(q, k, v):
         return lowp_attention(q, k, v, is_causal=causal)
 
-    def compiled(mode="default"):
-        return _autograd(torch.compile(attend, fullgraph=True, dynamic=False, mode=mode),
+    def attend_fused_backward(q, k, v):
+        # Its own code object: Dynamo caches compiled code, and with it the CUDA graphs that
+        # captured one backward kernel or the other, per code object and mode.
+        return attend(q, k, v)
+
+    def compiled(fn, mode="default"):
+        return _autograd(torch.compile(fn, fullgraph=True, dynamic=False, mode=mode),
                          cuda_graphs=mode == "reduce-overhead")
 
     def fused(setup):  # kernels.fused_backward_enabled
@@ -249,13 +255,13 @@ def methods(causal):
     direct = _autograd(attend)
     return {
         "ours-fused": fused(direct),
-        "ours-fused-compiled": fused(compiled()),
-        "ours-fused-graphs": fused(compiled("reduce-overhead")),
+        "ours-fused-compiled": fused(compiled(attend_fused_backward)),
+        "ours-fused-graphs": fused(compiled(attend_fused_backward, "reduce-overhead")),
         "ours-hybrid-fa4": _hybrid(causal, "fa4"),
         "ours-hybrid-cudnn": _hybrid(causal, "cudnn"),
         "ours-direct": direct,
-        "ours-direct-compiled": compiled(),
-        "ours-direct-graphs": compiled("reduce-overhead"),
+        "ours-direct-compiled": compiled(attend),
+        "ours-direct-graphs": compiled(attend, "reduce-overhead"),
         "sdpa-cudnn-bf16": _sdpa("CUDNN_ATTENTION", causal),
         "sdpa-flash-bf16": _sdpa("FLASH_ATTENTION", causal),
         "fa4-bf16": _fa4(causal),
