@@ -431,17 +431,6 @@ def quantize_ds(ds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return _cast(ds / scale, E4M3, E4M3_MAX).float(), scale
 
 
-def ds_pow2_exponent(amax: torch.Tensor) -> torch.Tensor:
-    """The one-kernel backward's dK scale exponent of a key's dS over one query step: the
-    smallest e with amax <= 448 * 2**e (the codes dS / 2**e then fit E4M3), floored at
-    -126 (DS_SCALE_MIN's; also for amax 0).  Exact, from float32 amax's bits as the kernel
-    reads them: amax = m 2**E (1 <= m < 2) and 448 = 1.75 * 2**8 give e = E - 8, plus one
-    where m > 1.75 (mantissa bits above 0x600000).  Integer-valued float32."""
-    bits = amax.float().contiguous().view(torch.int32)
-    e = ((bits >> 23) & 0xFF) - 135 + ((bits & 0x7FFFFF) > 0x600000).int()
-    return e.clamp(min=-126).float()
-
-
 # Finite stand-in (log2 units) for -inf and finfo.min in masks: masked keys get P = 0
 # next to any real score.  2**20 keeps 8 x + 120 - 8 m exact in float32, so the codes of
 # a row are well defined whatever it holds.

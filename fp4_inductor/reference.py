@@ -223,13 +223,12 @@ def fused_attention_backward(do8, do_scale, delta, q8, k8, v8t, q_scale, k_scale
                              ke_scale, bias, row_ref, causal, p_mode, out_dtype):
     """``attention_backward``'s gradients with the one-kernel backward's numerics
     (``kernels/gluon/attention_bwd_fused.py``): P, dP and dS as there; dV = Pᵀ·dO summed in
-    float32; dQ = Σ bf16(dS·ke_scale)·Ke, each 128-key block's partial rounded to bf16 and
-    added into a bf16 sum (the kernel's TMA reduce-adds, here in block order); dK from
-    dSᵀ·qe_scale in E4M3 with one power-of-two scale per key that only grows over the
-    kernel's walk (the group's heads in order, each over its query steps of
-    ``formats.ds_block_dk``): when a step needs a larger scale the key's sum is multiplied
-    by the exact power-of-two ratio before the step's product joins it.  SDPA's causal
-    structure or none, no documents."""
+    float32; dS rounded once, to bf16 times the key block's ``ke_scale`` (``ds16``), for
+    both 16-bit products: dQ = Σ ds16·Ke, each 128-key block's partial rounded to bf16 and
+    added into a bf16 sum (the kernel's TMA reduce-adds, here in block order), and
+    dK = Σ ds16ᵀ·bf16(Q) / ke_scale summed in float32, bf16(Q) from the forward's INT8
+    codes (``formats.dequantize_q``), not Qe's E4M3 ones.  SDPA's causal structure or none,
+    no documents."""
     b, h, nq, d = q8.shape
     hkv, nk = k8.shape[1], k8.shape[2]
     group = h // hkv
@@ -237,13 +236,12 @@ def fused_attention_backward(do8, do_scale, delta, q8, k8, v8t, q_scale, k_scale
     v = _heads(v8t.transpose(-1, -2), h).float() * _heads(v_scale, h)[..., None, None]
     ds16_scale = _heads(F.expand_block_scale(ke_scale, nk), h)[..., None, :]  # [B, H, 1, Nk]
     ke_codes = _heads(ke, h).float()
-    qe_row = F.expand_block_scale(qe_scale, nq)
+    q16 = F.dequantize_q(q8, q_scale).to(torch.bfloat16).float()
     r = row_ref.float()
     bm = F.ds_block_dk(d)[0]
     dq = torch.zeros(b, h, nq, ke.shape[-1], device=q8.device)
     dv = torch.zeros(b, hkv, nk, v8t.shape[-2], device=q8.device)
-    dk = torch.zeros(b, hkv, nk, d, device=q8.device)  # in units of 2**exp_k
-    exp_k = torch.full((b, hkv, nk), -126.0, device=q8.device)
+    dk = torch.zeros(b, hkv, nk, d, device=q8.device)  # in units of ke_scale
     for g in range(group):  # query head kv_head * group + g, for every kv head at once
         heads = slice(g, None, group)
         for start in range(0, nq, bm):
@@ -260,13 +258,8 @@ def fused_attention_backward(do8, do_scale, delta, q8, k8, v8t, q_scale, k_scale
                 part = (ds16[..., block] @ ke_codes[:, heads, block]).to(torch.bfloat16)
                 acc = (acc.float() + part.float()).to(torch.bfloat16)
             dq[:, heads, rows] = acc.float()
-            dst = dsv.transpose(-1, -2) * qe_row[:, heads, None, rows]  # [keys, queries]
-            new = torch.maximum(exp_k, F.ds_pow2_exponent(dst.abs().amax(-1)))
-            dk = dk * torch.exp2(exp_k - new)[..., None]
-            exp_k = new
-            codes = F._cast(dst * torch.exp2(-exp_k)[..., None], F.E4M3, F.E4M3_MAX).float()
-            dk += codes @ qe[:, heads, rows].float()
-    dk = dk * torch.exp2(exp_k)[..., None]
+            dk += ds16.transpose(-1, -2) @ q16[:, heads, rows]
+    dk = dk / F.expand_block_scale(ke_scale, nk)[..., None]
     return dq.to(out_dtype), dk.to(out_dtype), dv.to(out_dtype)
 
 

@@ -381,15 +381,14 @@ FUSED_SHAPES = [  # (B, H, Hkv, Nq, Nk, D): GQA, Nq != Nk both ways, lengths off
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("shape,flush", [(s, 0) for s in FUSED_SHAPES] + [(FUSED_SHAPES[1], 2), (FUSED_SHAPES[2], 3)],
-                         ids=lambda v: "b{}h{}kv{}q{}k{}d{}".format(*v) if isinstance(v, tuple) else f"flush{v}")
-def test_fused_backward_matches_its_reference(shape, flush, causal, monkeypatch):
+@pytest.mark.parametrize("shape", FUSED_SHAPES, ids=lambda v: "b{}h{}kv{}q{}k{}d{}".format(*v))
+def test_fused_backward_matches_its_reference(shape, causal, monkeypatch):
     """The one-kernel backward (``FP4ATTN_FUSED_BACKWARD=1``) against
     ``reference.fused_attention_backward`` on the same operands: every element written
     (outputs poisoned; dQ is zeroed and summed in place), rel-L2 <= 1e-2 per gradient
-    (measured 1e-3 to 4e-3 on the H100 with a float32 dQ sum, no flushes:
-    the FP8 wgmma's accumulation and float32 summation order move dS codes that sit on
-    E4M3 midpoints; a wrong scale, tile or head is O(1e-1))."""
+    (the E4M3-dK version measured 1e-3 to 7e-3 on the H100, 8.5e-3 at 16k GQA 4:1: the FP8
+    wgmma's accumulation of dV and the summation order of bf16 dS; a wrong scale, tile or
+    head is O(1e-1))."""
     from fp4_inductor import kernels
     from fp4_inductor import reference as R
 
@@ -398,7 +397,6 @@ def test_fused_backward_matches_its_reference(shape, flush, causal, monkeypatch)
     calls = []
     launch = attention_bwd_fused.fused_backward
     monkeypatch.setattr(attention_bwd_fused, "fused_backward", lambda *args: calls.append(1) or launch(*args))
-    monkeypatch.setattr(attention_bwd_fused, "FLUSH_STEPS", flush)  # dK and dV sums flushed every few steps
     monkeypatch.setattr(kernels, "_gluon_failed", set())
     monkeypatch.setenv("FP4ATTN_FUSED_BACKWARD", "1")
     ops = operands(*shape, "direct", causal)

@@ -195,25 +195,13 @@ def test_padded_training_compiled_with_dynamic_lengths():
             assert rel_l2(got, want) <= 1e-3, f"{name} at {n} keys: rel-L2 {rel_l2(got, want):.2e} against eager"
 
 
-def test_ds_pow2_exponent_is_the_smallest_power_that_fits():
-    """``formats.ds_pow2_exponent``: the smallest e with amax <= 448 * 2**e, floored at -126,
-    on random magnitudes, 448 times powers of two and their neighbours, and zero."""
-    edges = 448 * torch.exp2(torch.arange(-130, 40).float())
-    amax = torch.cat([torch.randn(4096).abs() * torch.exp2(torch.randint(-140, 60, (4096,)).float()),
-                      edges, torch.nextafter(edges, torch.tensor(float("inf"))), torch.zeros(1)])
-    e = F.ds_pow2_exponent(amax).double()
-    assert (e >= -126).all() and (e == e.round()).all()
-    fits = amax.double() <= 448 * torch.exp2(e)
-    tighter = amax.double() <= 448 * torch.exp2(e - 1)
-    assert fits.all() and not (tighter & (e > -126)).any()
-
-
 @pytest.mark.parametrize("causal,d", [(False, 128), (True, 128), (True, 64)])
 def test_fused_backward_numerics(causal, d, fresh_seed):
     """``reference.fused_attention_backward`` (the one-kernel backward's numerics): dV is
     the two-kernel reference's (the same formula: float32 order aside), GQA sums its group
-    over the kernel's walk, and dQ, dK stay within the two-kernel reference's error against
-    fp64 (measured at N = 1024, D = 128: dQ 0.070 vs 0.072, dK 0.073 vs 0.072)."""
+    over the kernel's walk, dQ is no worse than the two-kernel reference's against fp64, and
+    dK, from bf16 dS times Q's INT8 values, better than its E4M3 dS times Qe (at N = 320 over
+    four seeds: dQ 0.96-0.97x, dK 0.87-0.91x the two-kernel reference's error)."""
     torch.manual_seed(fresh_seed)
     b, h, hkv, n = 1, 4, 2, 320
     q = torch.randn(b, h, n, d, dtype=torch.float64)
@@ -231,6 +219,6 @@ def test_fused_backward_numerics(causal, d, fresh_seed):
     assert torch.allclose(fused[2], two[2], rtol=1e-4, atol=1e-5)
     exact = [t.clone().requires_grad_() for t in (q, k, v)]
     torch.nn.functional.scaled_dot_product_attention(*exact, is_causal=causal, enable_gqa=True).backward(g.double())
-    for name, f, t, e in zip("qk", fused, two, exact):
-        assert rel_l2(f, e.grad) <= 1.15 * rel_l2(t, e.grad), name
+    for name, f, t, e, bound in zip("qk", fused, two, exact, (1.0, 0.95)):
+        assert rel_l2(f, e.grad) <= bound * rel_l2(t, e.grad), name
         assert cosine(f, e.grad) > 0.99, name

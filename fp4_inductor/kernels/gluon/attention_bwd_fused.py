@@ -10,20 +10,20 @@ of 64 keys) computes dQ too, so S, P, dP and dS are made once instead of twice
   Sᵀ = K·Qᵀ (INT8, exact),  dPᵀ = V·dOᵀ (E4M3 × E5M2),  Pᵀ = Direct-P codes,
   dSᵀ = Pᵀ ∘ (dPᵀ·do_scale·v_scale − delta)                       (float32, registers)
   dV += Pᵀ·dO             accumulated by the wgmma, in units of the head's dO scale;
-  dK += E4M3(dSᵀ·qe_scale / 2**e)·Qe   accumulated by the wgmma, e one power of two per
-        key that only grows (``formats.ds_pow2_exponent``): where a step needs a larger
-        one the key's accumulator row is multiplied by the exact ratio first;
-  dQ  = bf16(dS·ke_scale)·Ke   16-bit, so dS needs no second quantization and no
-        transpose: each warpgroup writes its 64 keys of dS to shared memory and, a step
-        later (``_consumer``), multiplies both warpgroups' 128 keys by one half of Ke's
-        columns (Ke's codes as bf16, exact); the [queries, D / 2] partial, rounded to bf16, goes
-        to shared memory and a TMA reduce-add sums it into dQ itself (bf16 sums over the
-        key blocks: +1e-4 to 3e-4 rel-L2 in dQ, priced on the CPU).
+  dS16 = bf16(dSᵀ·ke_scale)   written once to shared memory, the operand of both 16-bit
+        products (a 16-bit wgmma takes it either way round: no transpose, no E4M3 copy);
+  dK += dS16·bf16(Q)      accumulated by the wgmma in float32, Q's values from the
+        forward's INT8 codes (the E4M3 dS and Qe of the first versions cost dK 0.0775-0.079
+        against fp64 on the H100; these numerics price at 0.87-0.91x the two kernels' error);
+  dQ  = dS16·Ke           a step later (``_consumer``), both warpgroups' 128 keys times
+        one half of Ke's columns (Ke's codes as bf16, exact); the [queries, D / 2] partial,
+        rounded to bf16, goes to shared memory and a TMA reduce-add sums it into dQ itself
+        (bf16 sums over the key blocks: +1e-4 to 3e-4 rel-L2 in dQ, priced on the CPU).
 
 Versus the two kernels: no dQ kernel recomputing S, P and dP (38-43 % of the backward's
 kernel time), no two-level sums for dK and dV (4 instructions a score and 96 registers at
-D = 128), no token-major Keᵀ.  Measured on an H100 (``docs/perf-notes/2026-12.md``), the
-float32-reduce versions ran 0.88-0.97x the two kernels; this one is not measured yet.
+D = 128), no token-major Keᵀ or Qeᵀ.  Measured on an H100 (``docs/perf-notes/2026-12.md``), the
+version with E4M3 dK ran 1.09-1.18x the two kernels at D = 128; this one is not measured yet.
 
 Scope (``supports``): P mode direct, D = 64 or 128, no bias, SDPA's causal structure or none,
 GQA; the other calls keep the two kernels (``kernels._backward``).
@@ -43,20 +43,13 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from ... import formats as F
 from ..triton.attention_bwd_prep import _token_major_empty, _transpose_all
 from .attention_bwd_dkdv import _p_tile, _padded_rows, _row_vectors
-from .attention_bwd_dq import _issue_s_dp, _permuted_rows, _rows, _token_major_desc
-from .attention_fwd import _REGS, _compile_sm90, _e4m3, _layout, _p_operand, _store_rows, _tensor_desc, _wgmma_layout
+from .attention_bwd_dq import _issue_s_dp, _permuted_rows, _token_major_desc
+from .attention_fwd import _REGS, _compile_sm90, _layout, _p_operand, _store_rows, _tensor_desc, _wgmma_layout
 
 BLOCK_N = F.KEY_TILE  # keys per program: one K scale block
 BN_WG = BLOCK_N // 2  # keys per consumer warpgroup
 HEAD_DIMS = (64, 128)
 NUM_STAGES = 2
-# Query steps between flushes of the dK and dV sums into float32 (0: none).  The FP8
-# wgmma's accumulator keeps ~14 bits; summed over a whole GQA row it may lose several
-# per cent at 16k (benchmarks/lab/fp8_accumulation.py).  A flush adds a warpgroup's sums,
-# scaled, into a float32 scratch of its own rows (relaxed atomic adds, no reads) and
-# restarts them; dK's running exponent carries on, so the codes stay the reference's.
-# Off until the H200 measures what the sums lose and what a flush costs (A/B runs).
-FLUSH_STEPS = 0
 
 # Triton 3.6's ``hopper.tma`` does not export the TMA reduce its builder has
 # (``create_async_tma_reduce``); later Triton does, as ``tma.async_atomic_add``.  It reads
@@ -76,22 +69,6 @@ else:
 def _wgmma16_layout(n, num_warps):
     """Register layout of a 16-bit-operand wgmma result [rows, n] (K step 16)."""
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, n, 16])
-
-
-@gluon.jit
-def _pow2(e):
-    """2**e for integer e in [-126, 127], exact (from the exponent bits)."""
-    return ((e + 127) << 23).to(gl.float32, bitcast=True)
-
-
-@gluon.jit
-def _pow2_exponent(amax):
-    """``formats.ds_pow2_exponent``: the smallest e with amax <= 448 * 2**e, floored at
-    -126, from amax's bits: with amax = m 2**E (1 <= m < 2) and 448 = 1.75 * 2**8, e = E - 8,
-    plus one where m > 1.75 (mantissa bits above 0x600000).  No division."""
-    bits = amax.to(gl.int32, bitcast=True)
-    e = ((bits >> 23) & 0xFF) - 135 + ((bits & 0x7FFFFF) > 0x600000).to(gl.int32)
-    return gl.maximum(e, -126)
 
 
 @gluon.jit
@@ -128,38 +105,16 @@ def _dq_product(c, dq_desc, ds_smem, ke16, dq_smem, ds_ready, ds_free, b, H, kv_
 
 
 @gluon.jit
-def _row_ptrs(ptr, like, row0):
-    """Pointers to the contiguous rows row0.. at ``ptr`` in ``like``'s shape and layout."""
-    layout: gl.constexpr = like.type.layout
-    rows = row0 + gl.arange(0, like.shape[0], gl.SliceLayout(1, layout))
-    cols = gl.arange(0, like.shape[1], gl.SliceLayout(0, layout))
-    return ptr + rows[:, None] * like.shape[1] + cols[None, :]
-
-
-@gluon.jit
-def _add_rows(ptr, tile, row0):
-    """``tile`` [rows, D] added into the contiguous float32 rows row0.. at ``ptr`` (relaxed
-    atomic adds: a reduction instruction an element, nothing read back)."""
-    gl.atomic_add(_row_ptrs(ptr, tile, row0), tile, sem="relaxed")
-
-
-@gluon.jit
-def _load_rows(ptr, like, row0):
-    """The contiguous float32 rows row0.. at ``ptr`` in ``like``'s shape and layout."""
-    return gl.load(_row_ptrs(ptr, like, row0))
-
-
-@gluon.jit
 def _consumer(args, WG: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
-              CAUSAL: gl.constexpr, FLUSH: gl.constexpr):
+              CAUSAL: gl.constexpr):
     """Consumer WG, of the program's keys WG·BN .. WG·BN + BN - 1.  Step c's dQ product is
     issued in step c + 1, after dK's: the other warpgroup's half of dS(c) is ready by then
     unless it runs a step behind, so the two warpgroups need not keep in step (issued in
     step c, it held them in step; on the H100 the two orders measured within 1 %,
     docs/perf-notes/)."""
-    dos_ptr, vs_ptr, qes_ptr, kes_ptr, dk_ptr, dv_ptr, dq_desc, smem, bars, out_strides, stride_qes, ks, b, \
-        kv_head, H, GROUP, k0, j_lo, n_q, NQ, NK, dk_sums, dv_sums = args
-    k_smem, v_smem, ke16, q_bufs, do_bufs, dot_bufs, qet_bufs, row_bufs, ds_smem, dq_smem = smem
+    dos_ptr, vs_ptr, kes_ptr, dk_ptr, dv_ptr, dq_desc, smem, bars, out_strides, ks, b, kv_head, H, GROUP, k0, \
+        j_lo, n_q, NQ, NK = args
+    k_smem, v_smem, ke16, q_bufs, do_bufs, dot_bufs, q16_bufs, row_bufs, ds_smem, dq_smem = smem
     kv_bar, q_ready, q_empty, t_ready, t_empty, ds_ready, ds_free = bars
     D: gl.constexpr = k_smem.shape[3]
     nw: gl.constexpr = gl.num_warps()
@@ -173,9 +128,10 @@ def _consumer(args, WG: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, STAGES
     KEYS: gl.constexpr = k_smem.shape[2]
     k_op = k_smem.reshape([KEYS, D]).slice(WG * BN, BN)
     v_op = v_smem.reshape([KEYS, D]).slice(WG * BN, BN)
-    dk = gl.zeros([BN, D], gl.float32, o_layout)  # in units of 2**exp_k a row
+    # dK in two column halves (Q's bf16 tiles are loaded so: 128-byte rows), in units of ke_scale
+    dk_lo = gl.zeros([BN, D // 2], gl.float32, _wgmma16_layout(D // 2, nw))
+    dk_hi = gl.zeros_like(dk_lo)
     dv = gl.zeros([BN, D], gl.float32, o_layout)  # in units of the current head's dO scale
-    exp_k = gl.full([BN], -126, gl.int32, gl.SliceLayout(1, s_layout))
     n_steps = GROUP * n_q
     do_scale = gl.load(dos_ptr + b * H + kv_head * GROUP)
     # Also where no query tile sees these keys (causal, n_steps = 0): the program must not
@@ -209,57 +165,36 @@ def _consumer(args, WG: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, STAGES
         delta = vecs[2].load(gl.SliceLayout(0, s_layout))
         ds = p8.to(gl.float32) * (dp * (do_scale * v_scale) - delta[None, :])
 
-        # dQ's operand: this warpgroup's keys of bf16 dS, queries in order (step c + 1 multiplies).
+        # dS16: this warpgroup's keys of bf16 dS, queries in order, for dK now and dQ in step c + 1.
         buf = c % 2
         mbarrier.wait(ds_free.index(buf), ((c // 2) & 1) ^ 1)  # a fresh barrier counts as released
-        ds_smem.index(buf).slice(WG * BN, BN).store(_query_order(ds * ke_scale, BN, BM).to(gl.bfloat16))
+        ds_keys = ds_smem.index(buf).slice(WG * BN, BN)
+        ds_keys.store(_query_order(ds * ke_scale, BN, BM).to(gl.bfloat16))
         fence_async_shared()
         gl.thread_barrier()
         mbarrier.arrive(ds_ready.index(buf))
-
-        # dK's operand: E4M3 codes of dS·qe_scale under each key's running power-of-two scale
-        # (two multiplies, as the reference: qe_scale·2**-e overflows where e is -126).
-        qe_scale = gl.load(qes_ptr + (b * H + h) * stride_qes + start_m // 128)  # formats.SCALE_BLOCK
-        dst = ds * qe_scale
-        exp_new = gl.maximum(exp_k, _pow2_exponent(gl.max(gl.abs(dst), 1)))
-        codes = _e4m3(dst * _pow2(-exp_new)[:, None]).to(gl.float8e4nv, bitcast=True)
-        dv = warpgroup_mma_wait(0, deps=(dv,))
-        # Every step, though a key's scale rarely grows after the first ones: a warpgroup-wide
-        # test of that costs a shared-memory reduction and 3-4 partition barriers a step.
-        dk = dk * _rows(_pow2(gl.maximum(exp_k - exp_new, -126)), dk)
-        exp_k = exp_new
-        qet = qet_bufs.index(stage).reshape([D, BM])
-        dk = warpgroup_mma(_p_operand(codes, a_layout, BN, BM), qet.permute((1, 0)), dk, is_async=True)
+        dk_lo = warpgroup_mma(ds_keys, q16_bufs.index(2 * stage).reshape([BM, D // 2]), dk_lo, is_async=True)
+        dk_hi = warpgroup_mma(ds_keys, q16_bufs.index(2 * stage + 1).reshape([BM, D // 2]), dk_hi, is_async=True)
         if c > 0:
             _dq_product(c - 1, dq_desc, ds_smem, ke16, dq_smem, ds_ready, ds_free, b, H, kv_head, GROUP, j_lo, n_q,
                         WG, BM)
-        dk = warpgroup_mma_wait(0, deps=(dk,))
+        dv, dk_lo, dk_hi = warpgroup_mma_wait(0, deps=(dv, dk_lo, dk_hi))
         mbarrier.arrive(t_empty.index(stage))
-        if FLUSH > 0:
-            if (c + 1) % FLUSH == 0:
-                _add_rows(dk_sums, dk * _rows(_pow2(exp_k), dk), WG * BN)
-                _add_rows(dv_sums, dv * do_scale, WG * BN)
-                dk = gl.zeros_like(dk)
-                dv = gl.zeros_like(dv)
     if n_steps > 0:
         _dq_product(n_steps - 1, dq_desc, ds_smem, ke16, dq_smem, ds_ready, ds_free, b, H, kv_head, GROUP, j_lo, n_q,
                     WG, BM)
     tma.store_wait(0)
-    dk = dk * _rows(_pow2(exp_k), dk)
-    dv = dv * do_scale
-    if FLUSH > 0:  # the flushed sums: rows of this warpgroup alone, added by its own threads
-        dk = dk + _load_rows(dk_sums, dk, WG * BN)
-        dv = dv + _load_rows(dv_sums, dv, WG * BN)
     row0 = k0 + WG * BN
-    _store_rows(dk_ptr, dk, row0, 0, b, kv_head, NK, out_strides)
-    _store_rows(dv_ptr, dv, row0, 0, b, kv_head, NK, out_strides)
+    _store_rows(dk_ptr, dk_lo / ke_scale, row0, 0, b, kv_head, NK, out_strides)
+    _store_rows(dk_ptr, dk_hi / ke_scale, row0, D // 2, b, kv_head, NK, out_strides)
+    _store_rows(dv_ptr, dv * do_scale, row0, 0, b, kv_head, NK, out_strides)
 
 
 @gluon.jit
 def _producer(args, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr):
-    k_desc, v_desc, ke_desc, q_desc, do_desc, dot_desc, qet_desc, row_desc, smem, bars, b, kv_head, H, GROUP, k0, \
+    k_desc, v_desc, ke_desc, q_desc, do_desc, dot_desc, q16_desc, row_desc, smem, bars, b, kv_head, H, GROUP, k0, \
         j_lo, n_q, NK, NQ_PAD = args
-    k_smem, v_smem, ke16, q_bufs, do_bufs, dot_bufs, qet_bufs, row_bufs, ds_smem, dq_smem = smem
+    k_smem, v_smem, ke16, q_bufs, do_bufs, dot_bufs, q16_bufs, row_bufs, ds_smem, dq_smem = smem
     kv_bar, q_ready, q_empty, t_ready, t_empty, ds_ready, ds_free = bars
     mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes
                     + 2 * ke_desc.block_type.nbytes)
@@ -281,10 +216,12 @@ def _producer(args, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr):
         tma.async_copy_global_to_shared(q_desc, [chunk, 0, 0, 0, 0], q_ready.index(s), q_bufs.index(s))
         tma.async_copy_global_to_shared(do_desc, [chunk, 0, 0, 0, 0], q_ready.index(s), do_bufs.index(s))
         mbarrier.wait(t_empty.index(s), phase ^ 1)
-        mbarrier.expect(t_ready.index(s), dot_desc.block_type.nbytes + qet_desc.block_type.nbytes
+        mbarrier.expect(t_ready.index(s), dot_desc.block_type.nbytes + 2 * q16_desc.block_type.nbytes
                         + 3 * row_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(dot_desc, [b * H + h, 0, start_m], t_ready.index(s), dot_bufs.index(s))
-        tma.async_copy_global_to_shared(qet_desc, [b * H + h, 0, start_m], t_ready.index(s), qet_bufs.index(s))
+        for half in gl.static_range(2):  # rows past NQ read as zeros (dS is 0 there too)
+            tma.async_copy_global_to_shared(q16_desc, [b, h, start_m, half * q16_desc.block_type.shape[3]],
+                                            t_ready.index(s), q16_bufs.index(2 * s + half))
         for i in gl.static_range(3):
             tma.async_copy_global_to_shared(row_desc, [((b * H + h) * 3 + i) * NQ_PAD + start_m], t_ready.index(s),
                                             row_bufs[i].index(s))
@@ -309,10 +246,9 @@ def _barriers(STAGES: gl.constexpr):
 
 
 @gluon.jit
-def _fused_ws(k_desc, v_desc, ke_desc, q_desc, do_desc, dot_desc, qet_desc, row_desc, dq_desc, ks_ptr, vs_ptr,
-              dos_ptr, qes_ptr, kes_ptr, dk_ptr, dv_ptr, dk_sums_ptr, dv_sums_ptr, stride_ob, stride_oh, stride_on,
-              stride_od, stride_ksh, stride_qes, H, HKV, NQ, NK, NQ_PAD,
-              STAGES: gl.constexpr, CAUSAL: gl.constexpr, FLUSH: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+def _fused_ws(k_desc, v_desc, ke_desc, q_desc, do_desc, dot_desc, q16_desc, row_desc, dq_desc, ks_ptr, vs_ptr,
+              dos_ptr, kes_ptr, dk_ptr, dv_ptr, stride_ob, stride_oh, stride_on, stride_od, stride_ksh, H, HKV, NQ,
+              NK, NQ_PAD, STAGES: gl.constexpr, CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
               PRODUCER_REGS: gl.constexpr):
     BN: gl.constexpr = k_desc.block_type.shape[2]  # BN_WG
     BM: gl.constexpr = 16 * q_desc.block_type.shape[0]
@@ -335,7 +271,8 @@ def _fused_ws(k_desc, v_desc, ke_desc, q_desc, do_desc, dot_desc, qet_desc, row_
     q_bufs = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
     do_bufs = gl.allocate_shared_memory(do_desc.dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
     dot_bufs = gl.allocate_shared_memory(dot_desc.dtype, [STAGES] + dot_desc.block_type.shape, dot_desc.layout)
-    qet_bufs = gl.allocate_shared_memory(qet_desc.dtype, [STAGES] + qet_desc.block_type.shape, qet_desc.layout)
+    q16_bufs = gl.allocate_shared_memory(q16_desc.dtype, [2 * STAGES] + q16_desc.block_type.shape,
+                                         q16_desc.layout)  # two column halves a stage
     row_bufs = (gl.allocate_shared_memory(gl.float32, [STAGES, BM], row_desc.layout),
                 gl.allocate_shared_memory(gl.float32, [STAGES, BM], row_desc.layout),
                 gl.allocate_shared_memory(gl.float32, [STAGES, BM], row_desc.layout))
@@ -344,17 +281,15 @@ def _fused_ws(k_desc, v_desc, ke_desc, q_desc, do_desc, dot_desc, qet_desc, row_
     dq_smem = gl.allocate_shared_memory(gl.bfloat16, [4] + dq_desc.block_type.shape, dq_desc.layout)
     bars = _barriers(STAGES)
 
-    smem = (k_smem, v_smem, ke16, q_bufs, do_bufs, dot_bufs, qet_bufs, row_bufs, ds_smem, dq_smem)
+    smem = (k_smem, v_smem, ke16, q_bufs, do_bufs, dot_bufs, q16_bufs, row_bufs, ds_smem, dq_smem)
     out_strides = (stride_ob, stride_oh, stride_on, stride_od)  # dK's and dV's
     kes = kes_ptr + b * (HKV * stride_ksh) + block
-    # The flushed sums' rows of this program ([B, Hkv, blocks * 128, D] float32; FLUSH only).
-    sums = ((b * HKV + kv_head).to(gl.int64) * gl.num_programs(0) * (2 * BN) + k0) * D
-    args = (dos_ptr, vs_ptr, qes_ptr, kes, dk_ptr, dv_ptr, dq_desc, smem, bars, out_strides, stride_qes, ks, b,
-            kv_head, H, GROUP, k0, j_lo, n_q, NQ, NK, dk_sums_ptr + sums, dv_sums_ptr + sums)
-    loads = (k_desc, v_desc, ke_desc, q_desc, do_desc, dot_desc, qet_desc, row_desc, smem, bars, b, kv_head, H,
+    args = (dos_ptr, vs_ptr, kes, dk_ptr, dv_ptr, dq_desc, smem, bars, out_strides, ks, b, kv_head, H, GROUP, k0,
+            j_lo, n_q, NQ, NK)
+    loads = (k_desc, v_desc, ke_desc, q_desc, do_desc, dot_desc, q16_desc, row_desc, smem, bars, b, kv_head, H,
              GROUP, k0, j_lo, n_q, NK, NQ_PAD)
-    gl.warp_specialize([(_consumer, (args, 0, BM, BN, STAGES, CAUSAL, FLUSH)),
-                        (_consumer, (args, 1, BM, BN, STAGES, CAUSAL, FLUSH)),
+    gl.warp_specialize([(_consumer, (args, 0, BM, BN, STAGES, CAUSAL)),
+                        (_consumer, (args, 1, BM, BN, STAGES, CAUSAL)),
                         (_producer, (loads, BM, BN, STAGES))],
                        [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -391,15 +326,17 @@ def fused_backward(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale, qe
     """dQ, dK, dV into ``dq`` [B, H, Nq, D] and ``dk``, ``dv`` [B, Hkv, Nk, D] (one stride
     set for those two) with ``reference.fused_attention_backward``'s numerics, for the calls
     ``supports`` accepts; arguments as ``reference.attention_backward``'s.  Its own
-    preparation: token-major dOᵀ and Qeᵀ and row-major V (one transposing launch), Ke's
-    codes as bf16; dQ zeroed, for the kernel's bf16 reduce-adds."""
+    preparation: token-major dOᵀ and row-major V (one transposing launch), Q's values and
+    Ke's codes as bf16; dQ zeroed, for the kernel's bf16 reduce-adds.  Qe is not read."""
     b, h, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
-    do_scale, delta, q_scale, k_scale, v_scale, qe_scale, ke_scale, row_ref = (
-        t.float().contiguous() for t in (do_scale, delta, q_scale, k_scale, v_scale, qe_scale, ke_scale, row_ref))
-    do_t, qe_t = _token_major_empty(do), _token_major_empty(qe)
+    do_scale, delta, q_scale, k_scale, v_scale, ke_scale, row_ref = (
+        t.float().contiguous() for t in (do_scale, delta, q_scale, k_scale, v_scale, ke_scale, row_ref))
+    do_t = _token_major_empty(do)
     v = v_t.new_empty(b, hkv, nk, d)
-    _transpose_all([(do, do_t), (qe, qe_t), (v_t, v)])
+    _transpose_all([(do, do_t), (v_t, v)])
+    # formats.dequantize_q, rounded to bf16 in the same pass
+    q16 = torch.mul(q, q_scale[..., None], out=torch.empty(q.shape, dtype=torch.bfloat16, device=q.device))
     bm = F.ds_block_dk(d)[0]  # queries a step: the queries of one dK scale step
     nq_pad = triton.cdiv(nq, bm) * bm
     kv_block = [1, 1, BN_WG, d]
@@ -415,17 +352,15 @@ def fused_backward(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale, qe
     dq_block = [1, 1, bm, d // 2]
     dq_desc = TensorDescriptor(dq, list(dq.shape), list(dq.stride()), dq_block, _layout(dq_block, gl.bfloat16))
     blocks = triton.cdiv(nk, BLOCK_N)
-    sums = ((torch.zeros(b, hkv, blocks * BLOCK_N, d, dtype=torch.float32, device=q.device) for _ in range(2))
-            if FLUSH_STEPS else (dk, dv))  # never read without flushes
+    q16_block = [1, 1, bm, d // 2]
+    q16_desc = TensorDescriptor.from_tensor(q16, q16_block, _layout(q16_block, gl.bfloat16))
     _fused_ws[(blocks, b * hkv)](
         k_desc, v_desc, ke_desc, q_desc, do_desc, _token_major_desc(do_t, bm, gl.float8e5),
-        _token_major_desc(qe_t, bm, gl.float8e4nv), row_desc, dq_desc,
-        k_scale, v_scale, do_scale, qe_scale, ke_scale, dk, dv, *sums,
-        *dk.stride(), k_scale.stride(1), qe_scale.stride(1), h, hkv, nq, nk, nq_pad,
-        CAUSAL=bool(causal), FLUSH=FLUSH_STEPS, **_CONSTEXPRS, **_LAUNCH)
+        q16_desc, row_desc, dq_desc, k_scale, v_scale, do_scale, ke_scale, dk, dv, *dk.stride(), k_scale.stride(1),
+        h, hkv, nq, nk, nq_pad, CAUSAL=bool(causal), **_CONSTEXPRS, **_LAUNCH)
 
 
-def compile_for_sm90(d: int, causal: bool, flush: int = FLUSH_STEPS):
+def compile_for_sm90(d: int, causal: bool):
     """Compile without a GPU (Triton's bundled ptxas), for inspection: the compiled kernel."""
     assert d in HEAD_DIMS
     bm = F.ds_block_dk(d)[0]
@@ -435,10 +370,10 @@ def compile_for_sm90(d: int, causal: bool, flush: int = FLUSH_STEPS):
            "q_desc": _tensor_desc("i8", [bm // 16, 2, 4, 2, d], gl.int8),
            "do_desc": _tensor_desc("fp8e5", [bm // 16, 2, 4, 2, d], gl.float8e5),
            "dot_desc": _tensor_desc("fp8e5", [1, d, bm], gl.float8e5),
-           "qet_desc": _tensor_desc("fp8e4nv", [1, d, bm], gl.float8e4nv),
+           "q16_desc": _tensor_desc("bf16", [1, 1, bm, d // 2], gl.bfloat16),
            "row_desc": _tensor_desc("fp32", [bm], gl.float32),
            "dq_desc": _tensor_desc("bf16", [1, 1, bm, d // 2], gl.bfloat16),
-           "dk_ptr": "*bf16", "dv_ptr": "*bf16", "dk_sums_ptr": "*fp32", "dv_sums_ptr": "*fp32"}
-    for name in ("ks_ptr", "vs_ptr", "dos_ptr", "qes_ptr", "kes_ptr"):
+           "dk_ptr": "*bf16", "dv_ptr": "*bf16"}
+    for name in ("ks_ptr", "vs_ptr", "dos_ptr", "kes_ptr"):
         sig[name] = "*fp32"
-    return _compile_sm90(_fused_ws, sig, dict(_CONSTEXPRS, CAUSAL=causal, FLUSH=flush), _LAUNCH)
+    return _compile_sm90(_fused_ws, sig, dict(_CONSTEXPRS, CAUSAL=causal), _LAUNCH)
