@@ -226,7 +226,7 @@ def fused_attention_backward(do8, do_scale, delta, q8, k8, v8t, q_scale, k_scale
     float32; dS rounded once, to bf16 times the key block's ``ke_scale`` (``ds16``), for
     both 16-bit products: dQ = Σ ds16·Ke, each 128-key block's partial rounded to bf16 and
     added into a bf16 sum (the kernel's TMA reduce-adds, here in block order), and
-    dK = Σ ds16ᵀ·bf16(Q) / ke_scale summed in float32, bf16(Q) from the forward's INT8
+    dK = Σ ds16ᵀ·bf16(Q) · (1 / ke_scale) summed in float32, bf16(Q) from the forward's INT8
     codes (``formats.dequantize_q``), not Qe's E4M3 ones.  SDPA's causal structure or none,
     no documents."""
     b, h, nq, d = q8.shape
@@ -259,7 +259,7 @@ def fused_attention_backward(do8, do_scale, delta, q8, k8, v8t, q_scale, k_scale
                 acc = (acc.float() + part.float()).to(torch.bfloat16)
             dq[:, heads, rows] = acc.float()
             dk += ds16.transpose(-1, -2) @ q16[:, heads, rows]
-    dk = dk / F.expand_block_scale(ke_scale, nk)[..., None]
+    dk = dk * (1.0 / F.expand_block_scale(ke_scale, nk))[..., None]
     return dq.to(out_dtype), dk.to(out_dtype), dv.to(out_dtype)
 
 

@@ -128,9 +128,11 @@ def _consumer(args, WG: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, STAGES
     KEYS: gl.constexpr = k_smem.shape[2]
     k_op = k_smem.reshape([KEYS, D]).slice(WG * BN, BN)
     v_op = v_smem.reshape([KEYS, D]).slice(WG * BN, BN)
-    # dK in two column halves (Q's bf16 tiles are loaded so: 128-byte rows), in units of ke_scale
-    dk_lo = gl.zeros([BN, D // 2], gl.float32, _wgmma16_layout(D // 2, nw))
-    dk_hi = gl.zeros_like(dk_lo)
+    # dK in units of ke_scale, in Q16's column parts (``_q16_columns``: one at D = 64, two at 128)
+    QW: gl.constexpr = q16_bufs.shape[-1]
+    PARTS: gl.constexpr = D // QW
+    dk_lo = gl.zeros([BN, QW], gl.float32, _wgmma16_layout(QW, nw))
+    dk_hi = gl.zeros_like(dk_lo)  # PARTS == 2 only
     dv = gl.zeros([BN, D], gl.float32, o_layout)  # in units of the current head's dO scale
     n_steps = GROUP * n_q
     do_scale = gl.load(dos_ptr + b * H + kv_head * GROUP)
@@ -151,7 +153,7 @@ def _consumer(args, WG: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, STAGES
         if c % n_q == 0:  # a new head of the group: dV into its dO scale's units
             dv = dv * (do_scale / head_scale)
         do_scale = head_scale
-        mbarrier.wait(t_ready.index(stage), phase)  # dOᵀ, Qeᵀ and the row vectors
+        mbarrier.wait(t_ready.index(stage), phase)  # dOᵀ, Q16 and the row vectors
         vecs = (row_bufs[0].index(stage), row_bufs[1].index(stage), row_bufs[2].index(stage))
         whole = (start_m + BM <= NQ) & (last_key < NK)
         if CAUSAL:
@@ -173,8 +175,9 @@ def _consumer(args, WG: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, STAGES
         fence_async_shared()
         gl.thread_barrier()
         mbarrier.arrive(ds_ready.index(buf))
-        dk_lo = warpgroup_mma(ds_keys, q16_bufs.index(2 * stage).reshape([BM, D // 2]), dk_lo, is_async=True)
-        dk_hi = warpgroup_mma(ds_keys, q16_bufs.index(2 * stage + 1).reshape([BM, D // 2]), dk_hi, is_async=True)
+        dk_lo = warpgroup_mma(ds_keys, q16_bufs.index(PARTS * stage).reshape([BM, QW]), dk_lo, is_async=True)
+        if PARTS == 2:
+            dk_hi = warpgroup_mma(ds_keys, q16_bufs.index(2 * stage + 1).reshape([BM, QW]), dk_hi, is_async=True)
         if c > 0:
             _dq_product(c - 1, dq_desc, ds_smem, ke16, dq_smem, ds_ready, ds_free, b, H, kv_head, GROUP, j_lo, n_q,
                         WG, BM)
@@ -185,8 +188,10 @@ def _consumer(args, WG: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, STAGES
                     WG, BM)
     tma.store_wait(0)
     row0 = k0 + WG * BN
-    _store_rows(dk_ptr, dk_lo / ke_scale, row0, 0, b, kv_head, NK, out_strides)
-    _store_rows(dk_ptr, dk_hi / ke_scale, row0, D // 2, b, kv_head, NK, out_strides)
+    to_dk = gl.div_rn(1.0, ke_scale)  # as the reference: an IEEE reciprocal, then products
+    _store_rows(dk_ptr, dk_lo * to_dk, row0, 0, b, kv_head, NK, out_strides)
+    if PARTS == 2:
+        _store_rows(dk_ptr, dk_hi * to_dk, row0, QW, b, kv_head, NK, out_strides)
     _store_rows(dv_ptr, dv * do_scale, row0, 0, b, kv_head, NK, out_strides)
 
 
@@ -216,12 +221,14 @@ def _producer(args, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr):
         tma.async_copy_global_to_shared(q_desc, [chunk, 0, 0, 0, 0], q_ready.index(s), q_bufs.index(s))
         tma.async_copy_global_to_shared(do_desc, [chunk, 0, 0, 0, 0], q_ready.index(s), do_bufs.index(s))
         mbarrier.wait(t_empty.index(s), phase ^ 1)
-        mbarrier.expect(t_ready.index(s), dot_desc.block_type.nbytes + 2 * q16_desc.block_type.nbytes
+        QW: gl.constexpr = q16_desc.block_type.shape[3]
+        PARTS: gl.constexpr = dot_desc.block_type.shape[1] // QW
+        mbarrier.expect(t_ready.index(s), dot_desc.block_type.nbytes + PARTS * q16_desc.block_type.nbytes
                         + 3 * row_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(dot_desc, [b * H + h, 0, start_m], t_ready.index(s), dot_bufs.index(s))
-        for half in gl.static_range(2):  # rows past NQ read as zeros (dS is 0 there too)
-            tma.async_copy_global_to_shared(q16_desc, [b, h, start_m, half * q16_desc.block_type.shape[3]],
-                                            t_ready.index(s), q16_bufs.index(2 * s + half))
+        for part in gl.static_range(PARTS):  # rows past NQ read as zeros (dS is 0 there too)
+            tma.async_copy_global_to_shared(q16_desc, [b, h, start_m, part * QW], t_ready.index(s),
+                                            q16_bufs.index(PARTS * s + part))
         for i in gl.static_range(3):
             tma.async_copy_global_to_shared(row_desc, [((b * H + h) * 3 + i) * NQ_PAD + start_m], t_ready.index(s),
                                             row_bufs[i].index(s))
@@ -271,8 +278,8 @@ def _fused_ws(k_desc, v_desc, ke_desc, q_desc, do_desc, dot_desc, q16_desc, row_
     q_bufs = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
     do_bufs = gl.allocate_shared_memory(do_desc.dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
     dot_bufs = gl.allocate_shared_memory(dot_desc.dtype, [STAGES] + dot_desc.block_type.shape, dot_desc.layout)
-    q16_bufs = gl.allocate_shared_memory(q16_desc.dtype, [2 * STAGES] + q16_desc.block_type.shape,
-                                         q16_desc.layout)  # two column halves a stage
+    q16_bufs = gl.allocate_shared_memory(q16_desc.dtype, [D // q16_desc.block_type.shape[3] * STAGES]
+                                         + q16_desc.block_type.shape, q16_desc.layout)  # its column parts a stage
     row_bufs = (gl.allocate_shared_memory(gl.float32, [STAGES, BM], row_desc.layout),
                 gl.allocate_shared_memory(gl.float32, [STAGES, BM], row_desc.layout),
                 gl.allocate_shared_memory(gl.float32, [STAGES, BM], row_desc.layout))
@@ -292,6 +299,12 @@ def _fused_ws(k_desc, v_desc, ke_desc, q_desc, do_desc, dot_desc, q16_desc, row_
                         (_consumer, (args, 1, BM, BN, STAGES, CAUSAL)),
                         (_producer, (loads, BM, BN, STAGES))],
                        [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+def _q16_columns(d: int) -> int:
+    """Columns of a bf16 Q box for dK's product: rows of at most 128 bytes (the widest
+    swizzle a TMA box takes), so D = 128 comes in two parts and D = 64 in one."""
+    return min(d, 64)
 
 
 _CONSTEXPRS = dict(STAGES=NUM_STAGES, **_REGS)
@@ -337,7 +350,7 @@ def fused_backward(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale, qe
     _transpose_all([(do, do_t), (v_t, v)])
     # formats.dequantize_q, rounded to bf16 in the same pass
     q16 = torch.mul(q, q_scale[..., None], out=torch.empty(q.shape, dtype=torch.bfloat16, device=q.device))
-    bm = F.ds_block_dk(d)[0]  # queries a step: the queries of one dK scale step
+    bm = F.ds_block_dk(d)[0]  # queries a step, as the dK/dV kernel's
     nq_pad = triton.cdiv(nq, bm) * bm
     kv_block = [1, 1, BN_WG, d]
     k_desc = TensorDescriptor.from_tensor(k, kv_block, _layout(kv_block, gl.int8))
@@ -352,7 +365,7 @@ def fused_backward(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale, qe
     dq_block = [1, 1, bm, d // 2]
     dq_desc = TensorDescriptor(dq, list(dq.shape), list(dq.stride()), dq_block, _layout(dq_block, gl.bfloat16))
     blocks = triton.cdiv(nk, BLOCK_N)
-    q16_block = [1, 1, bm, d // 2]
+    q16_block = [1, 1, bm, _q16_columns(d)]
     q16_desc = TensorDescriptor.from_tensor(q16, q16_block, _layout(q16_block, gl.bfloat16))
     _fused_ws[(blocks, b * hkv)](
         k_desc, v_desc, ke_desc, q_desc, do_desc, _token_major_desc(do_t, bm, gl.float8e5),
@@ -370,7 +383,7 @@ def compile_for_sm90(d: int, causal: bool):
            "q_desc": _tensor_desc("i8", [bm // 16, 2, 4, 2, d], gl.int8),
            "do_desc": _tensor_desc("fp8e5", [bm // 16, 2, 4, 2, d], gl.float8e5),
            "dot_desc": _tensor_desc("fp8e5", [1, d, bm], gl.float8e5),
-           "q16_desc": _tensor_desc("bf16", [1, 1, bm, d // 2], gl.bfloat16),
+           "q16_desc": _tensor_desc("bf16", [1, 1, bm, _q16_columns(d)], gl.bfloat16),
            "row_desc": _tensor_desc("fp32", [bm], gl.float32),
            "dq_desc": _tensor_desc("bf16", [1, 1, bm, d // 2], gl.bfloat16),
            "dk_ptr": "*bf16", "dv_ptr": "*bf16"}
