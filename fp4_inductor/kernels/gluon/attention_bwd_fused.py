@@ -115,7 +115,7 @@ def _consumer(args, WG: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, STAGES
     dos_ptr, vs_ptr, kes_ptr, dk_ptr, dv_ptr, dq_desc, smem, bars, out_strides, ks, b, kv_head, H, GROUP, k0, \
         j_lo, n_q, NQ, NK = args
     k_smem, v_smem, ke16, q_bufs, do_bufs, dot_bufs, q16_bufs, row_bufs, ds_smem, dq_smem = smem
-    kv_bar, q_ready, q_empty, t_ready, t_empty, ds_ready, ds_free = bars
+    kv_bar, q_ready, t_ready, stage_free, ds_ready, ds_free = bars
     D: gl.constexpr = k_smem.shape[3]
     nw: gl.constexpr = gl.num_warps()
     s_layout: gl.constexpr = _wgmma_layout(BM, nw)
@@ -148,7 +148,6 @@ def _consumer(args, WG: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, STAGES
         s, dp = _issue_s_dp(k_op, q_bufs.index(stage).reshape([BM, D]), v_op,
                             do_bufs.index(stage).reshape([BM, D]), BN, BM, s_layout)
         s, dp = warpgroup_mma_wait(0, deps=(s, dp))
-        mbarrier.arrive(q_empty.index(stage))
         head_scale = gl.load(dos_ptr + b * H + h)
         if c % n_q == 0:  # a new head of the group: dV into its dO scale's units
             dv = dv * (do_scale / head_scale)
@@ -182,7 +181,10 @@ def _consumer(args, WG: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, STAGES
             _dq_product(c - 1, dq_desc, ds_smem, ke16, dq_smem, ds_ready, ds_free, b, H, kv_head, GROUP, j_lo, n_q,
                         WG, BM)
         dv, dk_lo, dk_hi = warpgroup_mma_wait(0, deps=(dv, dk_lo, dk_hi))
-        mbarrier.arrive(t_empty.index(stage))
+        # The whole stage released at once: each arrive costs two partition barriers
+        # (before, so every thread is done; after, as shared memory was written), and
+        # Q and dO wait a step longer for nothing (the producer runs a step ahead).
+        mbarrier.arrive(stage_free.index(stage))
     if n_steps > 0:
         _dq_product(n_steps - 1, dq_desc, ds_smem, ke16, dq_smem, ds_ready, ds_free, b, H, kv_head, GROUP, j_lo, n_q,
                     WG, BM)
@@ -200,7 +202,7 @@ def _producer(args, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr):
     k_desc, v_desc, ke_desc, q_desc, do_desc, dot_desc, q16_desc, row_desc, smem, bars, b, kv_head, H, GROUP, k0, \
         j_lo, n_q, NK, NQ_PAD = args
     k_smem, v_smem, ke16, q_bufs, do_bufs, dot_bufs, q16_bufs, row_bufs, ds_smem, dq_smem = smem
-    kv_bar, q_ready, q_empty, t_ready, t_empty, ds_ready, ds_free = bars
+    kv_bar, q_ready, t_ready, stage_free, ds_ready, ds_free = bars
     mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes
                     + 2 * ke_desc.block_type.nbytes)
     for w in gl.static_range(2):
@@ -215,12 +217,11 @@ def _producer(args, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr):
         start_m = (j_lo + c % n_q) * BM
         s = c % STAGES
         phase = (c // STAGES) & 1
-        mbarrier.wait(q_empty.index(s), phase ^ 1)  # a fresh barrier counts as released
+        mbarrier.wait(stage_free.index(s), phase ^ 1)  # a fresh barrier counts as released
         mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
         chunk = ((b * H + h) * NQ_PAD + start_m) // 16  # _padded_rows
         tma.async_copy_global_to_shared(q_desc, [chunk, 0, 0, 0, 0], q_ready.index(s), q_bufs.index(s))
         tma.async_copy_global_to_shared(do_desc, [chunk, 0, 0, 0, 0], q_ready.index(s), do_bufs.index(s))
-        mbarrier.wait(t_empty.index(s), phase ^ 1)
         QW: gl.constexpr = q16_desc.block_type.shape[3]
         PARTS: gl.constexpr = dot_desc.block_type.shape[1] // QW
         mbarrier.expect(t_ready.index(s), dot_desc.block_type.nbytes + PARTS * q16_desc.block_type.nbytes
@@ -244,12 +245,12 @@ def _pair(STAGES: gl.constexpr, count: gl.constexpr):
 
 @gluon.jit
 def _barriers(STAGES: gl.constexpr):
-    """(kv_bar, q_ready, q_empty, t_ready, t_empty, ds_ready, ds_free): the load ring's, as
-    the dK/dV kernel's, and the two dS buffers' (both consumers arrive at each)."""
+    """(kv_bar, q_ready, t_ready, stage_free, ds_ready, ds_free): the load ring's (a stage's
+    Q and dO, then its dOᵀ, Q16 and row vectors; both consumers free it), and the two dS
+    buffers' (both consumers arrive at each)."""
     once = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(once, count=1)
-    return (once, _pair(STAGES, 1), _pair(STAGES, 2), _pair(STAGES, 1), _pair(STAGES, 2), _pair(2, 2),
-            _pair(2, 2))
+    return once, _pair(STAGES, 1), _pair(STAGES, 1), _pair(STAGES, 2), _pair(2, 2), _pair(2, 2)
 
 
 @gluon.jit
