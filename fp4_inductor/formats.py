@@ -341,6 +341,15 @@ def backward_operands(q8, q_scale, k8, k_scale):
     return qe, qe_scale, ke, ke_scale
 
 
+def backward_operands_in_place_of_codes(q8, q_scale, k8, k_scale, codes_scale):
+    """``backward_operands`` for a call that passed the forward's INT8 codes in their place
+    (the one-kernel backward's operands) but runs another kernel: the E4M3 copies, Ke's
+    scales times the factor the caller folded into K's (``codes_scale / k_scale``: the
+    softmax scale, within an ulp of the one a caller folds into Ke's own)."""
+    qe, qe_scale, ke, ke_scale = backward_operands(q8, q_scale, k8, k_scale)
+    return qe, qe_scale, ke, ke_scale * (codes_scale / k_scale)
+
+
 # ---------------------------------------------------------------- probability operands
 
 

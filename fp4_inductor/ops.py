@@ -196,7 +196,10 @@ def attention_bwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients from the forward's saved operands; see ``reference.attention_backward``.
     dQ is w.r.t. Q times the softmax scale for the Ke scales ``formats.backward_operands``
-    returns; ``attention.py`` passes them times the softmax scale, for dQ w.r.t. Q.  All
+    returns; ``attention.py`` passes them times the softmax scale, for dQ w.r.t. Q.  In
+    place of the E4M3 copies ``qe``/``ke`` a caller may pass the forward's INT8 codes (and
+    K's scales, times the same factor), which the one-kernel backward reads
+    (``kernels.fused_backward_applies``); any other path derives the copies from them.  All
     three are stored as ``grads_empty`` lays them out: contiguous with ``grads_contiguous``
     (the attention's inputs were), else ``[B, N, H, D]``.  The kernels take any strides."""
     dq, dk, dv = grads_empty(q, k, v_t, out_dtype, grads_contiguous)
@@ -208,6 +211,8 @@ def attention_bwd(
             return dq, dk, dv
         except Exception as err:  # never kill the model: same numbers from the reference
             _warn_once("bwd", f"fp4attn backward kernel failed ({err!r}); using the reference path")
+    if ke.dtype == torch.int8:
+        qe, qe_scale, ke, ke_scale = F.backward_operands_in_place_of_codes(q, q_scale, k, k_scale, ke_scale)
     grads = reference.attention_backward(
         do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale, qe, qe_scale, ke, ke_scale,
         bias, row_ref, causal, p_mode, out_dtype, diagonal, window, q_documents, k_documents,

@@ -222,9 +222,10 @@ def attention_backward(
 def fused_attention_backward(do8, do_scale, delta, q8, k8, v8t, q_scale, k_scale, v_scale, qe, qe_scale, ke,
                              ke_scale, bias, row_ref, causal, p_mode, out_dtype):
     """``attention_backward``'s gradients with the one-kernel backward's numerics
-    (``kernels/gluon/attention_bwd_fused.py``): P, dP and dS as there; dV = Pᵀ·dO summed in
-    float32; dS rounded once, to bf16 times the key block's ``ke_scale`` (``ds16``), for
-    both 16-bit products: dQ = Σ ds16·Ke, each 128-key block's partial rounded to bf16 and
+    (``kernels/gluon/attention_bwd_fused.py``), whose ``ke``/``ke_scale`` are K's INT8 codes
+    and scales (times the softmax scale; ``qe`` is not read): P, dP and dS as there; dV =
+    Pᵀ·dO summed in float32; dS rounded once, to bf16 times the key block's ``ke_scale``
+    (``ds16``), for both 16-bit products: dQ = Σ ds16·K8, each 128-key block's partial rounded to bf16 and
     added into a bf16 sum (the kernel's TMA reduce-adds, here in block order), and
     dK = Σ ds16ᵀ·bf16(Q) · (1 / ke_scale) summed in float32, bf16(Q) from the forward's INT8
     codes (``formats.dequantize_q``), not Qe's E4M3 ones.  SDPA's causal structure or none,

@@ -243,3 +243,31 @@ def test_backward_offers_the_gluon_kernels_no_document_ids(documents, monkeypatc
                       True, "direct", t, t, t, q_documents=ids, k_documents=ids)
     assert seen["documents"][0] is ids and seen["documents"][1] is ids
     assert ran == (["triton dK/dV", "triton dQ"] if documents else ["gluon dK/dV", "gluon dQ"])
+
+
+@pytest.mark.parametrize("change,applies", [
+    ({}, True),
+    ({"d": 64}, True),
+    ({"causal": False}, True),
+    ({"d": 96}, False),  # head dims it lacks
+    ({"bias": True}, False),
+    ({"window": 256}, False),  # causal structures other than SDPA's
+    ({"documents": True}, False),
+    ({"p_mode": "exp"}, False),
+    ({"switch": "0"}, False),
+    ({"failed": True}, False),  # its launch failed once in this process
+])
+def test_fused_backward_applies_from_what_a_graph_knows(change, applies, monkeypatch):
+    """Where the backward graph hands the op the forward's INT8 codes instead of E4M3
+    copies: the one-kernel backward switched on, P mode direct, D = 64 or 128, no bias, no
+    document ids, SDPA's causal structure or none (on an sm_90 GPU, stood in for here)."""
+    pytest.importorskip("triton.experimental.gluon")
+    monkeypatch.setattr(kernels, "_applies", lambda q: True)
+    monkeypatch.setattr(kernels, "_gluon_failed", {"attention_bwd_fused"} if change.get("failed") else set())
+    monkeypatch.setenv("FP4ATTN_FUSED_BACKWARD", change.get("switch", "1"))
+    d = change.get("d", 128)
+    q, k, v_t = torch.empty(2, 8, 512, d, dtype=torch.int8), torch.empty(2, 4, 512, d), torch.empty(2, 4, d, 512)
+    bias = torch.zeros(2, 1, 1, 512) if change.get("bias") else None
+    documents = torch.zeros(2, 512, dtype=torch.long) if change.get("documents") else None
+    assert kernels.fused_backward_applies(q, k, v_t, bias, change.get("causal", True), change.get("p_mode", "direct"),
+                                          0, change.get("window", 0), documents) is applies

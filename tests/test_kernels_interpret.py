@@ -86,6 +86,26 @@ def test_triton_backward_matches_reference(shape, p_mode, causal, extra, fresh_s
     _interpreted(SCRIPT.format(seed=fresh_seed, shape=shape, p_mode=p_mode, causal=causal, extra=extra))
 
 
+CODES_SCRIPT = """
+import torch
+from bwd_checks import operands, run
+torch.manual_seed({seed})
+ops = operands(1, 4, 2, 130, 200, 64, "direct", True)
+codes = ops[:9] + (ops[3], ops[6], ops[4], ops[7]) + ops[13:]  # the forward's INT8 codes for the products
+copies, _ = run(ops, True, "direct", device="cpu", debug=False, dispatch=True)
+from_codes, _ = run(codes, True, "direct", device="cpu", debug=False, dispatch=True)
+for name, a, b in zip("qkv", from_codes, copies):
+    assert torch.equal(a, b), "d" + name + " differs"
+"""
+
+
+def test_triton_backward_derives_the_copies_from_codes(fresh_seed):
+    """Given the forward's INT8 codes in place of Qe/Ke (what the graph passes where the
+    one-kernel backward is for the call), the two kernels' preparation derives the copies:
+    the same gradients as from the copies themselves."""
+    _interpreted(CODES_SCRIPT.format(seed=fresh_seed))
+
+
 FORWARD_CASES = [
     ((2, 2, 2, 70, 300, 72, "keypad"), "direct", False, {}),
     ((3, 2, 1, 200, 700, 64, "leftpad"), "direct", True, {"diagonal": 500}),  # skipped tiles, rows of no key

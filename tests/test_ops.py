@@ -126,6 +126,30 @@ def test_dq_comes_out_with_respect_to_q():
     assert not torch.equal(dq, (dq_scaled * sm_scale).to(torch.bfloat16))  # the fold changes roundings
 
 
+def test_backward_op_takes_the_forward_codes_in_place_of_the_e4m3_copies(fresh_seed, monkeypatch):
+    """Where the one-kernel backward covers a call (``kernels.fused_backward_applies``), the
+    backward graph hands ``fp4attn::bwd`` the forward's INT8 codes and derives no E4M3
+    copies; a path that needs the copies derives them from the codes, with the same
+    gradients (here the reference path; D = 64, whose softmax scale 1/8 comes back from
+    ``ke_scale / k_scale`` exactly)."""
+    from fp4_inductor import formats as F
+    from fp4_inductor import kernels
+    from fp4_inductor.attention import lowp_attention
+
+    q, k, v = (torch.randn(1, h, 96, 64, dtype=torch.bfloat16, requires_grad=True) for h in (4, 2, 2))
+    dout = torch.randn(1, 4, 96, 64, dtype=torch.bfloat16)
+    derived = []
+    derive = F.backward_operands_in_place_of_codes
+    monkeypatch.setattr(F, "backward_operands_in_place_of_codes", lambda *a: derived.append(1) or derive(*a))
+    grads = []
+    for fused in (False, True):
+        monkeypatch.setattr(kernels, "fused_backward_applies", lambda *a, fused=fused: fused)
+        grads.append(torch.autograd.grad(lowp_attention(q, k, v, is_causal=True), (q, k, v), dout))
+        assert len(derived) == fused, "the copies were derived from codes the graph did not pass"
+    for name, plain, from_codes in zip("qkv", *grads):
+        assert torch.equal(plain, from_codes), f"d{name} differs"
+
+
 def test_ops_are_pt2_compliant_and_have_no_second_derivative():
     """The ops carry the tag torch.compile's checks look for, and a double backward through
     lowp_attention raises our error (fp4attn::bwd has no gradient) instead of returning a

@@ -197,11 +197,11 @@ def test_padded_training_compiled_with_dynamic_lengths():
 
 @pytest.mark.parametrize("causal,d", [(False, 128), (True, 128), (True, 64)])
 def test_fused_backward_numerics(causal, d, fresh_seed):
-    """``reference.fused_attention_backward`` (the one-kernel backward's numerics): dV is
-    the two-kernel reference's (the same formula: float32 order aside), GQA sums its group
-    over the kernel's walk, dQ is no worse than the two-kernel reference's against fp64, and
-    dK, from bf16 dS times Q's INT8 values, better than its E4M3 dS times Qe (at N = 320 over
-    four seeds: dQ 0.96-0.97x, dK 0.87-0.91x the two-kernel reference's error)."""
+    """``reference.fused_attention_backward`` (the one-kernel backward's numerics, on the
+    forward's INT8 codes): dV is the two-kernel reference's (the same formula: float32 order
+    aside), GQA sums its group over the kernel's walk, and dQ and dK, from bf16 dS times K's
+    and Q's INT8 values, better than the two-kernel reference's E4M3 dS times Ke and Qe (at
+    N = 320 over five seeds: dQ 0.89-0.91x, dK 0.88-0.91x its error against fp64)."""
     torch.manual_seed(fresh_seed)
     b, h, hkv, n = 1, 4, 2, 320
     q = torch.randn(b, h, n, d, dtype=torch.float64)
@@ -212,13 +212,12 @@ def test_fused_backward_numerics(causal, d, fresh_seed):
     do8, dos = F.quantize_do(g, lse, row_ref, "direct")
     delta = (do8.float() * dos[..., None, None] * out).sum(-1)
     qe, qes, ke, kes = F.backward_operands(q8, qs, k8, ks)
-    args = (do8, dos, delta, q8, k8, vt, qs, ks, vs, qe, qes, ke, kes * d**-0.5, None, row_ref, causal, "direct",
-            torch.float32)
-    fused = R.fused_attention_backward(*args)
-    two = R.attention_backward(*args)
+    tail = (None, row_ref, causal, "direct", torch.float32)
+    fused = R.fused_attention_backward(do8, dos, delta, q8, k8, vt, qs, ks, vs, q8, qs, k8, ks * d**-0.5, *tail)
+    two = R.attention_backward(do8, dos, delta, q8, k8, vt, qs, ks, vs, qe, qes, ke, kes * d**-0.5, *tail)
     assert torch.allclose(fused[2], two[2], rtol=1e-4, atol=1e-5)
     exact = [t.clone().requires_grad_() for t in (q, k, v)]
     torch.nn.functional.scaled_dot_product_attention(*exact, is_causal=causal, enable_gqa=True).backward(g.double())
-    for name, f, t, e, bound in zip("qk", fused, two, exact, (1.0, 0.95)):
-        assert rel_l2(f, e.grad) <= bound * rel_l2(t, e.grad), name
+    for name, f, t, e in zip("qk", fused, two, exact):
+        assert rel_l2(f, e.grad) <= 0.95 * rel_l2(t, e.grad), name
         assert cosine(f, e.grad) > 0.99, name

@@ -34,7 +34,8 @@ def rel(a, b):
 
 
 def operands(b, h, hkv, n, d, causal, seed):
-    """The backward op's arguments for random inputs, as ``lowp_attention`` makes them."""
+    """The backward op's arguments for random inputs, as ``lowp_attention`` makes them for
+    the two kernels (E4M3 copies of Q and K) and for the fused kernel (the forward's codes)."""
     torch.manual_seed(seed)
     q = torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(b, hkv, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
@@ -43,9 +44,11 @@ def operands(b, h, hkv, n, d, causal, seed):
     out, lse, row_ref, ops = quantized.quantized_forward(q, k, v, None, scale, causal, "fp8", "direct")
     grad = quantized.grad_operands(dout, out, lse, row_ref, ops, "direct")
     (q8, k8, v_t, q_scale, k_scale, v_scale) = ops.flat()
-    args = (*grad.do, grad.delta, q8, k8, v_t, q_scale, k_scale, v_scale, *grad.qe, grad.ke.codes,
-            grad.ke.scale * scale, None, row_ref, causal, "direct")
-    return (q, k, v, dout), args
+    head = (*grad.do, grad.delta, q8, k8, v_t, q_scale, k_scale, v_scale)
+    tail = (None, row_ref, causal, "direct")
+    two = head + (*grad.qe, grad.ke.codes, grad.ke.scale * scale) + tail
+    fused = head + (q8, q_scale, k8, k_scale * scale) + tail
+    return (q, k, v, dout), two, fused
 
 
 def grads_like(args):
@@ -56,19 +59,18 @@ def grads_like(args):
     return dq, dk, dv
 
 
-def run_kernels(args, fused):
-    """The backward's kernels on ``args``: the fused one or the two kernels."""
-    os.environ["FP4ATTN_FUSED_BACKWARD"] = "1" if fused else "0"
+def run_kernels(args):
+    """The backward's kernels on ``args``: the fused one for the forward's codes, else the two kernels."""
     dq, dk, dv = (t.fill_(float("nan")) for t in grads_like(args))  # poisoned: every element written
     kernels.backward_kernel(args[3], "direct")(*args, dq, dk, dv)
     return dq, dk, dv
 
 
 def check(b, h, hkv, n, d, causal, seed):
-    inputs, args = operands(b, h, hkv, n, d, causal, seed)
-    want = R.fused_attention_backward(*args, torch.bfloat16)
-    got = run_kernels(args, True)
-    two = run_kernels(args, False)
+    inputs, two_args, fused_args = operands(b, h, hkv, n, d, causal, seed)
+    want = R.fused_attention_backward(*fused_args, torch.bfloat16)
+    got = run_kernels(fused_args)
+    two = run_kernels(two_args)
     exact = [t.detach().double().requires_grad_() for t in inputs[:3]]
     torch.nn.functional.scaled_dot_product_attention(*exact, is_causal=causal, enable_gqa=h != hkv).backward(
         inputs[3].double())
@@ -83,11 +85,10 @@ def check(b, h, hkv, n, d, causal, seed):
 
 def timing(n, d, causal, triton):
     b, h = C.fa3_shape(n, d)
-    _, args = operands(b, h, h, n, d, causal, n)
+    _, two_args, fused_args = operands(b, h, h, n, d, causal, n)
     row = {"n": n, "d": d, "b": b, "h": h, "causal": causal}
     flops = C.attention_flops(b, h, n, n, d, causal) * 2.5
-    for name, fused in (("two_kernels", False), ("fused", True)):
-        os.environ["FP4ATTN_FUSED_BACKWARD"] = "1" if fused else "0"
+    for name, args in (("two_kernels", two_args), ("fused", fused_args)):
         grads = grads_like(args)
         launch = kernels.backward_kernel(args[3], "direct")
         ms = triton.testing.do_bench(lambda: launch(*args, *grads), warmup=10, rep=60, return_mode="median")
@@ -110,8 +111,7 @@ def main():
     args = ap.parse_args()
     if args.profile_one:
         b, h = C.fa3_shape(args.profile_one, 128)
-        _, ops = operands(b, h, h, args.profile_one, 128, True, 0)
-        run_kernels(ops, True)
+        run_kernels(operands(b, h, h, args.profile_one, 128, True, 0)[2])
         torch.cuda.synchronize()
         return
     doc = {"env": C.environment(), "checks": [], "timing": []}

@@ -172,14 +172,28 @@ def fused_backward_enabled() -> bool:
     return os.environ.get("FP4ATTN_FUSED_BACKWARD", "0") == "1"
 
 
+def fused_backward_applies(q, k, v_t, bias, causal, p_mode, diagonal=0, window=0, q_documents=None) -> bool:
+    """Whether the one-kernel backward is for this call (the switch on, an sm_90 GPU, the
+    structures and head dims it covers), from what a traced graph knows: its products then
+    read the forward's INT8 codes, and the backward graph derives no E4M3 copies of Q and K
+    (``quantized.grad_operands``).  Where its launch refuses the call after all, the two
+    kernels' preparation derives them (``attention_bwd_prep.prepare``)."""
+    if not (fused_backward_enabled() and _applies(q)) or os.environ.get("TRITON_INTERPRET", "0") == "1" \
+            or "attention_bwd_fused" in _gluon_failed:
+        return False
+    fused = _module("gluon", "attention_bwd_fused")
+    return fused is not None and fused.covers(q, k, v_t, bias, causal, p_mode, diagonal, window, q_documents)
+
+
 def _backward(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale, qe, qe_scale, ke, ke_scale, bias, row_ref,
               causal, p_mode, dq, dk, dv, diagonal=0, window=0, q_documents=None, k_documents=None):
-    args = (do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale, qe, qe_scale, ke, ke_scale)
-    if fused_backward_enabled() and os.environ.get("TRITON_INTERPRET", "0") != "1" \
-            and _run_gluon("attention_bwd_fused", "fused backward", "fused_backward",
-                           args + (bias, row_ref, causal, p_mode, dq, dk, dv, diagonal, window, q_documents),
-                           args + (row_ref, causal, dq, dk, dv)):
-        return
+    if ke.dtype == torch.int8:  # the forward's codes (fused_backward_applies): the one-kernel backward's operands
+        args = (do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale, qe, qe_scale, ke, ke_scale)
+        if os.environ.get("TRITON_INTERPRET", "0") != "1" \
+                and _run_gluon("attention_bwd_fused", "fused backward", "fused_backward",
+                               args + (bias, row_ref, causal, p_mode, dq, dk, dv, diagonal, window, q_documents),
+                               args + (row_ref, causal, dq, dk, dv)):
+            return  # else the preparation derives the copies the two kernels read
     ops = _module("triton", "attention_bwd_prep").prepare(
         do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale, qe, qe_scale, ke, ke_scale, bias, row_ref, causal,
         p_mode, dk, dv, diagonal, window, q_documents, k_documents)

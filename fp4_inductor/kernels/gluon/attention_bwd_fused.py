@@ -11,22 +11,26 @@ of 64 keys) computes dQ too, so S, P, dP and dS are made once instead of twice
   dSᵀ = Pᵀ ∘ (dPᵀ·do_scale·v_scale − delta)                       (float32, registers)
   dV += Pᵀ·dO             accumulated by the wgmma, in units of the head's dO scale;
   dS16 = bf16(dSᵀ·ke_scale)   written once to shared memory, the operand of both 16-bit
-        products (a 16-bit wgmma takes it either way round: no transpose, no E4M3 copy);
+        products (a 16-bit wgmma takes it either way round: no transpose, no E4M3 copy),
+        ``ke_scale`` the key block's INT8 scale times the softmax scale;
   dK += dS16·bf16(Q)      accumulated by the wgmma in float32, Q's values from the
         forward's INT8 codes (the E4M3 dS and Qe of the first versions cost dK 0.0775-0.079
         against fp64 on the H100; these numerics price at 0.87-0.91x the two kernels' error);
-  dQ  = dS16·Ke           a step later (``_consumer``), both warpgroups' 128 keys times
-        one half of Ke's columns (Ke's codes as bf16, exact); the [queries, D / 2] partial,
+  dQ  = dS16·K8           a step later (``_consumer``), both warpgroups' 128 keys times
+        one half of the columns of K's INT8 codes (as bf16, exact: the forward's K, not an
+        E4M3 copy of it, priced at 0.89-0.91x the E4M3 copy's dQ error); the [queries, D / 2] partial,
         rounded to bf16, goes to shared memory and a TMA reduce-add sums it into dQ itself
         (bf16 sums over the key blocks: +1e-4 to 3e-4 rel-L2 in dQ, priced on the CPU).
 
 Versus the two kernels: no dQ kernel recomputing S, P and dP (38-43 % of the backward's
 kernel time), no two-level sums for dK and dV (4 instructions a score and 96 registers at
-D = 128), no token-major Keᵀ or Qeᵀ.  Measured on an H100 (``docs/perf-notes/2026-12.md``), the
-version with E4M3 dK ran 1.09-1.18x the two kernels at D = 128; this one is not measured yet.
+D = 128), no token-major Keᵀ or Qeᵀ, and no E4M3 copies of Q and K at all: the backward
+graph hands this kernel the forward's codes (``kernels.fused_backward_applies``).  Measured
+on an H100 (``docs/perf-notes/2026-12.md``), the version with E4M3 dK and Ke ran 1.09-1.18x
+the two kernels at D = 128; this one is not measured yet.
 
-Scope (``supports``): P mode direct, D = 64 or 128, no bias, SDPA's causal structure or none,
-GQA; the other calls keep the two kernels (``kernels._backward``).
+Scope (``covers`` and ``supports``): P mode direct, D = 64 or 128, no bias, SDPA's causal
+structure or none, GQA; the other calls keep the two kernels (``kernels._backward``).
 """
 
 from __future__ import annotations
@@ -208,7 +212,7 @@ def _producer(args, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr):
     for w in gl.static_range(2):
         tma.async_copy_global_to_shared(k_desc, [b, kv_head, k0 + w * BN, 0], kv_bar, k_smem.slice(w * BN, BN, dim=2))
         tma.async_copy_global_to_shared(v_desc, [b, kv_head, k0 + w * BN, 0], kv_bar, v_smem.slice(w * BN, BN, dim=2))
-        # Ke's codes as bf16, [128 keys, one half of the columns] a buffer (rows flat over
+        # K's INT8 codes as bf16, [128 keys, one half of the columns] a buffer (rows flat over
         # the heads: keys past NK read the next head's, where dS is 0)
         tma.async_copy_global_to_shared(ke_desc, [(b * (H // GROUP) + kv_head) * NK + k0, w * ke16.shape[2]], kv_bar,
                                         ke16.index(w))
@@ -312,17 +316,27 @@ _CONSTEXPRS = dict(STAGES=NUM_STAGES, **_REGS)
 _LAUNCH = dict(num_warps=4, maxnreg=168)
 
 
+def covers(q, k, v_t, bias, causal, p_mode, diagonal, window, q_documents) -> bool:
+    """The calls this kernel is for, from what a traced graph knows (structure, head dims,
+    P mode): where it holds, the backward graph hands the op the forward's INT8 codes for
+    the products (``kernels.fused_backward_applies``), and ``supports`` checks the rest."""
+    d, nk = q.shape[-1], k.shape[2]
+    return (p_mode == "direct" and bias is None and q_documents is None and not (causal and (diagonal or window))
+            and d in HEAD_DIMS and tuple(v_t.shape[-2:]) == (d, nk) and q.shape[1] % k.shape[1] == 0)
+
+
 def supports(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale, qe, qe_scale, ke, ke_scale, bias, row_ref,
              causal, p_mode, dq, dk, dv, diagonal, window, q_documents) -> bool:
     """Whether this kernel can compute the call (module docstring); arguments as
-    ``fused_backward``, then the call's structure."""
+    ``fused_backward``, then the call's structure.  ``ke`` must be K's INT8 codes (``qe``
+    is not read)."""
     b, h, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
-    return (p_mode == "direct" and bias is None and q_documents is None and not (causal and (diagonal or window))
-            and d in HEAD_DIMS and tuple(v_t.shape[-2:]) == (d, nk) and ke.shape == k.shape and nq > 0 and nk > 0
+    return (covers(q, k, v_t, bias, causal, p_mode, diagonal, window, q_documents)
+            and ke.shape == k.shape and nq > 0 and nk > 0
             and ke_scale.shape == k_scale.shape and tuple(dq.shape) == (b, h, nq, d)  # read alike / by dQ's shape
-            and h % hkv == 0 and b * hkv < 65536  # the grid's second dimension
-            and q.dtype == k.dtype == torch.int8 and do.dtype == F.E5M2 and v_t.dtype == qe.dtype == ke.dtype == F.E4M3
+            and b * hkv < 65536  # the grid's second dimension
+            and q.dtype == k.dtype == ke.dtype == torch.int8 and do.dtype == F.E5M2 and v_t.dtype == F.E4M3
             and all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (k, ke))
             and all(t.shape == (b, h, nq) for t in (q_scale, row_ref, delta))
             and dk.stride() == dv.stride() and all(st >= 0 for st in dk.stride())
@@ -341,7 +355,8 @@ def fused_backward(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale, qe
     set for those two) with ``reference.fused_attention_backward``'s numerics, for the calls
     ``supports`` accepts; arguments as ``reference.attention_backward``'s.  Its own
     preparation: token-major dOᵀ and row-major V (one transposing launch), Q's values and
-    Ke's codes as bf16; dQ zeroed, for the kernel's bf16 reduce-adds.  Qe is not read."""
+    K's codes as bf16; dQ zeroed, for the kernel's bf16 reduce-adds.  ``ke`` is K's INT8
+    codes and ``ke_scale`` their scales times the softmax scale; ``qe`` is not read."""
     b, h, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
     do_scale, delta, q_scale, k_scale, v_scale, ke_scale, row_ref = (
@@ -357,7 +372,7 @@ def fused_backward(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale, qe
     k_desc = TensorDescriptor.from_tensor(k, kv_block, _layout(kv_block, gl.int8))
     v_desc = TensorDescriptor.from_tensor(v, kv_block, _layout(kv_block, gl.float8e4nv))
     ke_block = [BLOCK_N, d // 2]
-    ke16 = ke.to(torch.bfloat16).view(b * hkv * nk, d)  # exact: E4M3 values are bf16 values
+    ke16 = ke.to(torch.bfloat16).view(b * hkv * nk, d)  # exact: INT8 codes are bf16 values
     ke_desc = TensorDescriptor.from_tensor(ke16, ke_block, _layout(ke_block, gl.bfloat16))
     q_desc = _permuted_rows(_padded_rows(q, bm), bm, gl.int8)
     do_desc = _permuted_rows(_padded_rows(do, bm), bm, gl.float8e5)
