@@ -196,10 +196,11 @@ def attention_bwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients from the forward's saved operands; see ``reference.attention_backward``.
     dQ is w.r.t. Q times the softmax scale for the Ke scales ``formats.backward_operands``
-    returns; ``attention.py`` passes them times the softmax scale, for dQ w.r.t. Q.  In
-    place of the E4M3 copies ``qe``/``ke`` a caller may pass the forward's INT8 codes (and
-    K's scales, times the same factor), which the one-kernel backward reads
-    (``kernels.fused_backward_applies``); any other path derives the copies from them.  All
+    returns; ``attention.py`` passes them times the softmax scale, for dQ w.r.t. Q.  A
+    caller may pass the one-kernel backward's operands (``kernels.fused_backward_applies``):
+    the forward's INT8 codes (and K's scales, times the same factor) in place of the E4M3
+    copies ``qe``/``ke``, and dO in E4M3 rather than E5M2; any other path derives the copies
+    from them.  All
     three are stored as ``grads_empty`` lays them out: contiguous with ``grads_contiguous``
     (the attention's inputs were), else ``[B, N, H, D]``.  The kernels take any strides."""
     dq, dk, dv = grads_empty(q, k, v_t, out_dtype, grads_contiguous)

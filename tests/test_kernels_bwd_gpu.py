@@ -399,8 +399,7 @@ def test_fused_backward_matches_its_reference(shape, causal, monkeypatch):
     monkeypatch.setattr(attention_bwd_fused, "fused_backward", lambda *args: calls.append(1) or launch(*args))
     monkeypatch.setattr(kernels, "_gluon_failed", set())
     monkeypatch.setenv("FP4ATTN_FUSED_BACKWARD", "1")
-    ops = operands(*shape, "direct", causal)
-    ops = ops[:9] + (ops[3], ops[6], ops[4], ops[7]) + ops[13:]  # the products read the forward's codes
+    ops = operands(*shape, "direct", causal, fused=True)
     grads, _ = run(ops, causal, "direct", out_dtype=torch.bfloat16, debug=False, dispatch=True)
     assert calls and not kernels._gluon_failed, "the fused kernel did not run"
     want = R.fused_attention_backward(*ops, causal, "direct", torch.bfloat16)
@@ -412,9 +411,10 @@ def test_fused_backward_matches_its_reference(shape, causal, monkeypatch):
 @pytest.mark.parametrize("causal,d", [(False, 128), (True, 128), (True, 64)], ids=["full128", "causal128", "causal64"])
 def test_fused_backward_gradient_error(causal, d, fresh_seed, monkeypatch):
     """The user's gradients through ``lowp_attention`` with the fused backward and with the
-    two kernels, both against float64 SDPA autograd (GQA 2:1, 1k tokens): the fused dQ and
-    dK no more than 0.95x the two kernels' error (bf16 dS times K's and Q's INT8 values:
-    0.88-0.91x on the CPU), dV no worse, and every gradient within #45's 0.076."""
+    two kernels, both against float64 SDPA autograd (GQA 2:1, 1k tokens): each fused
+    gradient at most 0.75x the two kernels' error (E4M3 dO, bf16 dS times K's and Q's INT8
+    values: 0.62-0.69x on the CPU) and within 0.055 (#45's goal 0.05: 0.046-0.051 on the
+    CPU)."""
     from fp4_inductor import kernels
     from fp4_inductor.attention import lowp_attention
 
@@ -434,5 +434,5 @@ def test_fused_backward_gradient_error(causal, d, fresh_seed, monkeypatch):
     assert not kernels._gluon_failed
     (dq, dk, dv), (dq2, dk2, dv2) = errors["1"], errors["0"]
     print(f"fused dQ/dK/dV {dq:.4f} {dk:.4f} {dv:.4f}; two kernels {dq2:.4f} {dk2:.4f} {dv2:.4f}")
-    assert dk <= 0.95 * dk2 and dq <= 0.95 * dq2 and dv <= 1.01 * dv2
-    assert max(dq, dk, dv) <= 0.076
+    assert dq <= 0.75 * dq2 and dk <= 0.75 * dk2 and dv <= 0.75 * dv2
+    assert max(dq, dk, dv) <= 0.055

@@ -89,20 +89,21 @@ def test_triton_backward_matches_reference(shape, p_mode, causal, extra, fresh_s
 CODES_SCRIPT = """
 import torch
 from bwd_checks import operands, run
+from fp4_inductor import formats as F
 torch.manual_seed({seed})
-ops = operands(1, 4, 2, 130, 200, 64, "direct", True)
-codes = ops[:9] + (ops[3], ops[6], ops[4], ops[7]) + ops[13:]  # the forward's INT8 codes for the products
-copies, _ = run(ops, True, "direct", device="cpu", debug=False, dispatch=True)
-from_codes, _ = run(codes, True, "direct", device="cpu", debug=False, dispatch=True)
-for name, a, b in zip("qkv", from_codes, copies):
+ops = operands(1, 4, 2, 130, 200, 64, "direct", True, fused=True)  # E4M3 dO, the forward's codes
+copies = (ops[0].float().to(F.E5M2),) + ops[1:9] + F.backward_operands(ops[3], ops[6], ops[4], ops[7]) + ops[13:]
+from_copies, _ = run(copies, True, "direct", device="cpu", debug=False, dispatch=True)
+from_codes, _ = run(ops, True, "direct", device="cpu", debug=False, dispatch=True)
+for name, a, b in zip("qkv", from_codes, from_copies):
     assert torch.equal(a, b), "d" + name + " differs"
 """
 
 
-def test_triton_backward_derives_the_copies_from_codes(fresh_seed):
-    """Given the forward's INT8 codes in place of Qe/Ke (what the graph passes where the
-    one-kernel backward is for the call), the two kernels' preparation derives the copies:
-    the same gradients as from the copies themselves."""
+def test_triton_backward_takes_the_one_kernel_operands(fresh_seed):
+    """Given the one-kernel backward's operands (E4M3 dO, the forward's INT8 codes in place
+    of Qe/Ke), which its launch may refuse, the two kernels' preparation derives what they
+    read (E5M2 dO, the E4M3 copies): the same gradients as from those."""
     _interpreted(CODES_SCRIPT.format(seed=fresh_seed))
 
 

@@ -35,20 +35,20 @@ def rel(a, b):
 
 def operands(b, h, hkv, n, d, causal, seed):
     """The backward op's arguments for random inputs, as ``lowp_attention`` makes them for
-    the two kernels (E4M3 copies of Q and K) and for the fused kernel (the forward's codes)."""
+    the two kernels (E5M2 dO, E4M3 copies of Q and K) and for the fused kernel (E4M3 dO, the
+    forward's codes)."""
     torch.manual_seed(seed)
     q = torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(b, hkv, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     dout = torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16)
     scale = d ** -0.5
     out, lse, row_ref, ops = quantized.quantized_forward(q, k, v, None, scale, causal, "fp8", "direct")
-    grad = quantized.grad_operands(dout, out, lse, row_ref, ops, "direct")
-    (q8, k8, v_t, q_scale, k_scale, v_scale) = ops.flat()
-    head = (*grad.do, grad.delta, q8, k8, v_t, q_scale, k_scale, v_scale)
-    tail = (None, row_ref, causal, "direct")
-    two = head + (*grad.qe, grad.ke.codes, grad.ke.scale * scale) + tail
-    fused = head + (q8, q_scale, k8, k_scale * scale) + tail
-    return (q, k, v, dout), two, fused
+
+    def args(fused):
+        grad = quantized.grad_operands(dout, out, lse, row_ref, ops, "direct", fused)
+        return (*grad.do, grad.delta, *ops.flat(), *grad.qe, grad.ke.codes, grad.ke.scale * scale, None, row_ref,
+                causal, "direct")
+    return (q, k, v, dout), args(False), args(True)
 
 
 def grads_like(args):

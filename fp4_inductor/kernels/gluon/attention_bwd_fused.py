@@ -7,9 +7,11 @@ of 64 keys) computes dQ too, so S, P, dP and dS are made once instead of twice
 (``formats.ds_block_dk``: 64 at D = 128, 128 at D = 64) and consumer, on transposed tiles
 [keys, queries]:
 
-  Sᵀ = K·Qᵀ (INT8, exact),  dPᵀ = V·dOᵀ (E4M3 × E5M2),  Pᵀ = Direct-P codes,
+  Sᵀ = K·Qᵀ (INT8, exact),  dPᵀ = V·dOᵀ (E4M3 × E4M3),  Pᵀ = Direct-P codes,
   dSᵀ = Pᵀ ∘ (dPᵀ·do_scale·v_scale − delta)                       (float32, registers)
-  dV += Pᵀ·dO             accumulated by the wgmma, in units of the head's dO scale;
+  dV += Pᵀ·dO             accumulated by the wgmma, in units of the head's dO scale (dO in
+        E4M3, not the two kernels' E5M2: its third mantissa bit takes dV's error from
+        0.06 to 0.04 against fp64, dQ's and dK's from 0.067 to 0.049, priced on the CPU);
   dS16 = bf16(dSᵀ·ke_scale)   written once to shared memory, the operand of both 16-bit
         products (a 16-bit wgmma takes it either way round: no transpose, no E4M3 copy),
         ``ke_scale`` the key block's INT8 scale times the softmax scale;
@@ -336,7 +338,7 @@ def supports(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale, qe, qe_s
             and ke.shape == k.shape and nq > 0 and nk > 0
             and ke_scale.shape == k_scale.shape and tuple(dq.shape) == (b, h, nq, d)  # read alike / by dQ's shape
             and b * hkv < 65536  # the grid's second dimension
-            and q.dtype == k.dtype == ke.dtype == torch.int8 and do.dtype == F.E5M2 and v_t.dtype == F.E4M3
+            and q.dtype == k.dtype == ke.dtype == torch.int8 and do.dtype == v_t.dtype == F.E4M3
             and all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (k, ke))
             and all(t.shape == (b, h, nq) for t in (q_scale, row_ref, delta))
             and dk.stride() == dv.stride() and all(st >= 0 for st in dk.stride())
@@ -375,7 +377,7 @@ def fused_backward(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale, qe
     ke16 = ke.to(torch.bfloat16).view(b * hkv * nk, d)  # exact: INT8 codes are bf16 values
     ke_desc = TensorDescriptor.from_tensor(ke16, ke_block, _layout(ke_block, gl.bfloat16))
     q_desc = _permuted_rows(_padded_rows(q, bm), bm, gl.int8)
-    do_desc = _permuted_rows(_padded_rows(do, bm), bm, gl.float8e5)
+    do_desc = _permuted_rows(_padded_rows(do, bm), bm, gl.float8e4nv)
     row_desc, _ = _row_vectors(q_scale, row_ref, delta, bm)
     dq.zero_()  # the kernel adds each 128-key block's bf16 partial into it (TMA reduce-add)
     dq_block = [1, 1, bm, d // 2]
@@ -384,7 +386,7 @@ def fused_backward(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale, qe
     q16_block = [1, 1, bm, _q16_columns(d)]
     q16_desc = TensorDescriptor.from_tensor(q16, q16_block, _layout(q16_block, gl.bfloat16))
     _fused_ws[(blocks, b * hkv)](
-        k_desc, v_desc, ke_desc, q_desc, do_desc, _token_major_desc(do_t, bm, gl.float8e5),
+        k_desc, v_desc, ke_desc, q_desc, do_desc, _token_major_desc(do_t, bm, gl.float8e4nv),
         q16_desc, row_desc, dq_desc, k_scale, v_scale, do_scale, ke_scale, dk, dv, *dk.stride(), k_scale.stride(1),
         h, hkv, nq, nk, nq_pad, CAUSAL=bool(causal), **_CONSTEXPRS, **_LAUNCH)
 
@@ -397,8 +399,8 @@ def compile_for_sm90(d: int, causal: bool):
            "v_desc": _tensor_desc("fp8e4nv", [1, 1, BN_WG, d], gl.float8e4nv),
            "ke_desc": _tensor_desc("bf16", [BLOCK_N, d // 2], gl.bfloat16),
            "q_desc": _tensor_desc("i8", [bm // 16, 2, 4, 2, d], gl.int8),
-           "do_desc": _tensor_desc("fp8e5", [bm // 16, 2, 4, 2, d], gl.float8e5),
-           "dot_desc": _tensor_desc("fp8e5", [1, d, bm], gl.float8e5),
+           "do_desc": _tensor_desc("fp8e4nv", [bm // 16, 2, 4, 2, d], gl.float8e4nv),
+           "dot_desc": _tensor_desc("fp8e4nv", [1, d, bm], gl.float8e4nv),
            "q16_desc": _tensor_desc("bf16", [1, 1, bm, _q16_columns(d)], gl.bfloat16),
            "row_desc": _tensor_desc("fp32", [bm], gl.float32),
            "dq_desc": _tensor_desc("bf16", [1, 1, bm, d // 2], gl.bfloat16),
