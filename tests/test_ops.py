@@ -166,6 +166,14 @@ def test_backward_graph_hands_the_one_kernel_operands_where_it_applies(monkeypat
         errors.append([rel_l2(g, w) for g, w in zip(grads, want)])
     for name, e5m2, e4m3 in zip("qkv", *errors):
         assert e4m3 < e5m2, f"d{name}: {e4m3:.4f} with the one-kernel operands, {e5m2:.4f} without"
+    # The same through AOTAutograd's trace (fake tensors: the op's fake kernel and the E4M3
+    # dO in a traced graph), against eager.
+    compiled = torch.compile(lambda *t: lowp_attention(*t, is_causal=True), backend="aot_eager", fullgraph=True)
+    eager = torch.autograd.grad(lowp_attention(q, k, v, is_causal=True), (q, k, v), dout)
+    traced = torch.autograd.grad(compiled(q, k, v), (q, k, v), dout)
+    assert len(derived) == 3, "the traced graph did not pass the codes"
+    for name, a, b in zip("qkv", traced, eager):
+        assert torch.equal(a, b), f"d{name}: traced differs from eager"
 
 
 def test_ops_are_pt2_compliant_and_have_no_second_derivative():
