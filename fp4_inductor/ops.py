@@ -210,9 +210,9 @@ def attention_bwd(
             kernel(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale, qe, qe_scale, ke, ke_scale,
                    bias, row_ref, causal, p_mode, dq, dk, dv, diagonal, window, q_documents, k_documents)
             return dq, dk, dv
-        except Exception as err:  # never kill the model: same numbers from the reference
+        except Exception as err:  # never kill the model: the two kernels' numbers from the reference
             _warn_once("bwd", f"fp4attn backward kernel failed ({err!r}); using the reference path")
-    if ke.dtype == torch.int8:
+    if ke.dtype == torch.int8:  # the one-kernel backward's operands: the reference reads E4M3 copies
         qe, qe_scale, ke, ke_scale = F.backward_operands_in_place_of_codes(q, q_scale, k, k_scale, ke_scale)
     grads = reference.attention_backward(
         do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale, qe, qe_scale, ke, ke_scale,

@@ -128,21 +128,22 @@ def test_dq_comes_out_with_respect_to_q():
 
 def test_backward_op_takes_the_one_kernel_operands(fresh_seed):
     """``fp4attn::bwd`` given the one-kernel backward's operands (the forward's INT8 codes in
-    place of Qe and Ke, dO in E4M3) on a path that reads copies derives them: the same
-    gradients as from the copies themselves (the reference path here)."""
+    place of Qe and Ke, K's scales times the softmax scale, dO in E4M3) on a path that reads
+    copies derives them: the same gradients as from the copies themselves (the reference
+    path here; D = 64, whose softmax scale 1/8 the derivation recovers exactly)."""
     from bwd_checks import operands
 
     ops = operands(1, 4, 2, 96, 112, 64, "direct", True, fused=True)
     assert ops[0].dtype == F.E4M3 and ops[9].dtype == ops[11].dtype == torch.int8
     qe, qes, ke, kes = F.backward_operands(ops[3], ops[6], ops[4], ops[7])
     tail = (True, "direct", torch.float32)
-    from_codes = torch.ops.fp4attn.bwd(*ops, *tail)
-    from_copies = torch.ops.fp4attn.bwd(*ops[:9], qe, qes, ke, kes, *ops[13:], *tail)
+    from_codes = torch.ops.fp4attn.bwd(*ops[:12], ops[12] * 0.125, *ops[13:], *tail)
+    from_copies = torch.ops.fp4attn.bwd(*ops[:9], qe, qes, ke, kes * 0.125, *ops[13:], *tail)
     for name, a, b in zip("qkv", from_codes, from_copies):
         assert torch.equal(a, b), f"d{name} differs"
 
 
-def test_backward_graph_hands_the_one_kernel_operands_where_it_applies(monkeypatch):
+def test_backward_graph_hands_the_one_kernel_operands_where_it_applies(fresh_seed, monkeypatch):
     """Where the one-kernel backward is for a call (``kernels.fused_backward_applies``) the
     backward graph quantizes dO to E4M3 and passes the forward's codes, deriving no E4M3
     copies (here the reference path derives them, once); its gradients, with E4M3 dO, are

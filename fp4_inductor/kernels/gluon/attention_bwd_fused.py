@@ -318,13 +318,19 @@ _CONSTEXPRS = dict(STAGES=NUM_STAGES, **_REGS)
 _LAUNCH = dict(num_warps=4, maxnreg=168)
 
 
-def covers(q, k, v_t, bias, causal, p_mode, diagonal, window, q_documents) -> bool:
+def covers(q, k, v_t, bias, causal, p_mode, diagonal, window, q_documents, grad_dtype) -> bool:
     """The calls this kernel is for, from what a traced graph knows (structure, head dims,
-    P mode): where it holds, the backward graph hands the op the forward's INT8 codes for
-    the products (``kernels.fused_backward_applies``), and ``supports`` checks the rest."""
-    d, nk = q.shape[-1], k.shape[2]
+    P mode, sizes, the gradients' dtype): where it holds, the backward graph hands the op
+    the one-kernel operands (``kernels.fused_backward_applies``), and ``supports`` checks
+    the rest (layouts, alignment), which the op's own tensors meet."""
+    b, h, nq, d = q.shape
+    hkv, nk = k.shape[1], k.shape[2]
     return (p_mode == "direct" and bias is None and q_documents is None and not (causal and (diagonal or window))
-            and d in HEAD_DIMS and tuple(v_t.shape[-2:]) == (d, nk) and q.shape[1] % k.shape[1] == 0)
+            and d in HEAD_DIMS and tuple(v_t.shape[-2:]) == (d, nk) and h % hkv == 0
+            and grad_dtype == torch.bfloat16  # dQ is summed in place by bf16 TMA reduce-adds
+            and b * hkv < 65536  # the grid's second dimension
+            and b * h * 3 * (nq + 128) < 2**31  # the row vectors' 32-bit TMA coordinates
+            and b * hkv * nk < 2**31 and hkv * nk * d < 2**31)  # dK/dV's 32-bit offsets within a batch
 
 
 def supports(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale, qe, qe_scale, ke, ke_scale, bias, row_ref,
@@ -333,20 +339,16 @@ def supports(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale, qe, qe_s
     ``fused_backward``, then the call's structure.  ``ke`` must be K's INT8 codes (``qe``
     is not read)."""
     b, h, nq, d = q.shape
-    hkv, nk = k.shape[1], k.shape[2]
-    return (covers(q, k, v_t, bias, causal, p_mode, diagonal, window, q_documents)
+    nk = k.shape[2]
+    return (covers(q, k, v_t, bias, causal, p_mode, diagonal, window, q_documents, dq.dtype)
             and ke.shape == k.shape and nq > 0 and nk > 0
             and ke_scale.shape == k_scale.shape and tuple(dq.shape) == (b, h, nq, d)  # read alike / by dQ's shape
-            and b * hkv < 65536  # the grid's second dimension
             and q.dtype == k.dtype == ke.dtype == torch.int8 and do.dtype == v_t.dtype == F.E4M3
             and all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (k, ke))
             and all(t.shape == (b, h, nq) for t in (q_scale, row_ref, delta))
             and dk.stride() == dv.stride() and all(st >= 0 for st in dk.stride())
-            # dQ is summed in place by TMA reduce-adds in bf16: rows 16-byte aligned, unit last stride
-            and dq.dtype == torch.bfloat16 and dq.stride(-1) == 1 and dq.data_ptr() % 16 == 0
-            and all(st * 2 % 16 == 0 for st in dq.stride()[:-1])
-            and b * h * 3 * (nq + 128) < 2**31  # the row vectors' 32-bit TMA coordinates
-            and b * hkv * nk < 2**31
+            # dQ's TMA reduce-adds: rows 16-byte aligned, unit last stride
+            and dq.stride(-1) == 1 and dq.data_ptr() % 16 == 0 and all(st * 2 % 16 == 0 for st in dq.stride()[:-1])
             # dK/dV offsets within a batch are 32-bit (the batch's is 64)
             and sum((n - 1) * st for n, st in zip(dk.shape[1:], dk.stride()[1:])) < 2**31)
 
