@@ -29,6 +29,7 @@ E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
 E4M3_MAX = 448.0
 E5M2_MAX = 57344.0
+FP8_MAX = {E4M3: E4M3_MAX, E5M2: E5M2_MAX}
 INT8_MAX = 127.0
 
 FORMATS = ("fp8", "fp4")
@@ -156,7 +157,7 @@ def quantize_blockwise(x: torch.Tensor, dtype: torch.dtype = E4M3) -> tuple[torc
 
     Returns the codes, same shape, and float32 scales ``[B, H, scale_blocks(N)]``.
     """
-    fmax = E4M3_MAX if dtype == E4M3 else E5M2_MAX
+    fmax = FP8_MAX[dtype]
     x = x.float()
     # Tokens' amaxes first, blocks of those after: only the [..., N] amaxes are padded.
     # (Padding x itself, as _block_view does, made Inductor 2.11 fail an assertion when
@@ -313,7 +314,7 @@ def quantize_do(do: torch.Tensor, lse: torch.Tensor, row_ref: torch.Tensor, p_mo
     operand rebuilt against the forward's row reference into the normalized probability,
     so it never touches the P codes.  Returns (codes, scale).
     """
-    fmax = {E5M2: E5M2_MAX, E4M3: E4M3_MAX}[codes]
+    fmax = FP8_MAX[codes]
     dof = do.float() * backward_row_factor(lse, row_ref, p_mode)[..., None]
     scale = _amax_scale(dof.abs().amax(dim=(-2, -1)), fmax)
     return _cast(dof / scale[..., None, None], codes, fmax), scale
