@@ -12,6 +12,9 @@ the same run (triton do_bench medians):
     model compiled with ``backend="fp4attn"``), and compiled with ``mode="reduce-overhead"``
     ("ours-direct-graphs": the step replayed as CUDA graphs, without the host's Python;
     forward + backward only);
+  - ours with the one-kernel FP8 backward (``FP4ATTN_FUSED_BACKWARD=1``,
+    ``kernels.gluon.attention_bwd_fused``): eagerly ("ours-fused"), compiled
+    ("ours-fused-compiled") and as CUDA graphs ("ours-fused-graphs");
   - ours, hybrid: the FP8 forward with a BF16 backward (``backward="bf16"``, the policy's
     ``fp8+bf16bwd``), eagerly, with FlashAttention-4's backward ("ours-hybrid-fa4") and
     with torch's cuDNN one ("ours-hybrid-cudnn"), as ``kernels.bf16_backward`` runs them;
@@ -206,14 +209,19 @@ def _hybrid(causal, only):
     def attend(q, k, v):
         return lowp_attention(q, k, v, is_causal=causal, backward="bf16")
 
-    setup = _autograd(attend)
+    return _under_env("FP4ATTN_BF16_BACKWARD", only, _autograd(attend))
 
-    def setup_only(leaves, dout):
-        fwd_bwd, bwd, grads = _with_env("FP4ATTN_BF16_BACKWARD", only, setup, leaves, dout)
-        return (lambda: _with_env("FP4ATTN_BF16_BACKWARD", only, fwd_bwd),
-                lambda: _with_env("FP4ATTN_BF16_BACKWARD", only, bwd), grads)
 
-    return setup_only
+def _under_env(var, value, setup):
+    """``setup`` whose setup and timed calls all run with the environment's ``var`` set to
+    ``value`` (the backward kernels read their switches at call time)."""
+
+    def setup_under(leaves, dout):
+        fwd_bwd, bwd, grads = _with_env(var, value, setup, leaves, dout)
+        under = [None if fn is None else (lambda fn=fn: _with_env(var, value, fn)) for fn in (fwd_bwd, bwd)]
+        return (*under, grads)
+
+    return setup_under
 
 
 def _with_env(var, value, fn, *args):
@@ -232,13 +240,28 @@ def methods(causal):
     def attend(q, k, v):
         return lowp_attention(q, k, v, is_causal=causal)
 
+    def attend_fused_backward(q, k, v):
+        # Its own code object: Dynamo caches compiled code, and with it the CUDA graphs that
+        # captured one backward kernel or the other, per code object and mode.
+        return attend(q, k, v)
+
+    def compiled(fn, mode="default"):
+        return _autograd(torch.compile(fn, fullgraph=True, dynamic=False, mode=mode),
+                         cuda_graphs=mode == "reduce-overhead")
+
+    def fused(setup):  # kernels.fused_backward_enabled
+        return _under_env("FP4ATTN_FUSED_BACKWARD", "1", setup)
+
+    direct = _autograd(attend)
     return {
+        "ours-fused": fused(direct),
+        "ours-fused-compiled": fused(compiled(attend_fused_backward)),
+        "ours-fused-graphs": fused(compiled(attend_fused_backward, "reduce-overhead")),
         "ours-hybrid-fa4": _hybrid(causal, "fa4"),
         "ours-hybrid-cudnn": _hybrid(causal, "cudnn"),
-        "ours-direct": _autograd(attend),
-        "ours-direct-compiled": _autograd(torch.compile(attend, fullgraph=True, dynamic=False)),
-        "ours-direct-graphs": _autograd(torch.compile(attend, fullgraph=True, dynamic=False, mode="reduce-overhead"),
-                                        cuda_graphs=True),
+        "ours-direct": direct,
+        "ours-direct-compiled": compiled(attend),
+        "ours-direct-graphs": compiled(attend, "reduce-overhead"),
         "sdpa-cudnn-bf16": _sdpa("CUDNN_ATTENTION", causal),
         "sdpa-flash-bf16": _sdpa("FLASH_ATTENTION", causal),
         "fa4-bf16": _fa4(causal),

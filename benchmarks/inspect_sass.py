@@ -32,7 +32,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from fp4_inductor import formats as F  # noqa: E402
 from fp4_inductor.kernels.triton import attention_fwd as K  # noqa: E402
 
-GLUON = {"fwd": "attention_fwd", "dq": "attention_bwd_dq", "dkdv": "attention_bwd_dkdv"}
+GLUON = {"fwd": "attention_fwd", "dq": "attention_bwd_dq", "dkdv": "attention_bwd_dkdv", "fused": "attention_bwd_fused"}
 
 OPS = ["IGMMA", "QGMMA", "HGMMA", "WARPGROUP", "MUFU", "I2F", "F2I", "F2FP", "FMNMX", "FFMA",
        "FMUL", "FADD", "IADD3", "PRMT", "SHF", "LOP3", "FSEL", "SEL", "SHFL", "BAR", "LDS", "STS", "LDL", "STL"]
@@ -124,6 +124,8 @@ def main():
 
         for kernel, d, causal in itertools.product(args.gluon, args.d, args.causal):
             module = importlib.import_module(f"fp4_inductor.kernels.gluon.{GLUON[kernel]}")
+            if d not in getattr(module, "HEAD_DIMS", (64, 128)):
+                continue
             extra = {"windowed": True} if args.windowed and kernel == "fwd" and causal else {}
             if args.key_bias:
                 extra["key_bias"] = True

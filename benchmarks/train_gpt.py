@@ -1,6 +1,6 @@
 """Convergence check: a small causal GPT trained from scratch, BF16 attention vs ours.
 
-    python benchmarks/train_gpt.py [--steps 3000] [--arms bf16 fp8 fp4]
+    python benchmarks/train_gpt.py [--steps 3000] [--arms bf16 fp8 fp8+bf16bwd fp8+fusedbwd fp4]
 
 Text: the Python standard library's own source files (ships with every Python), as
 bytes (vocabulary 256), the last 5 % held out.  Model: 6 layers, width 512, 8 heads of
@@ -17,6 +17,7 @@ import argparse
 import datetime
 import json
 import math
+import os
 import statistics
 import sysconfig
 import time
@@ -28,10 +29,11 @@ from torch import nn
 
 import common  # noqa: F401  (puts the project root on sys.path, as the other benchmarks do)
 import fp4_inductor
-from fp4_inductor.config import HYBRID
 from fp4_inductor import kernels
+from fp4_inductor.config import HYBRID
 
 RESULTS = Path(__file__).parent / "results"
+FUSED = "fp8+fusedbwd"  # the FP8 forward with the one-kernel FP8 backward (FP4ATTN_FUSED_BACKWARD=1)
 
 
 def load_corpus(max_bytes: int) -> torch.Tensor:
@@ -90,8 +92,10 @@ def train(arm: str, args, train_data, val_data, device, init_state) -> dict:
     torch._dynamo.reset()
     model = GPT(args.layers, args.width, args.heads, args.seq).to(device)
     model.load_state_dict(init_state)
-    # fp8+bf16bwd: the FP8 forward with a BF16 backward at every site (the hybrid path).
-    options = dict(overrides=(("*", arm),)) if arm == HYBRID else dict(policy="always", fmt=arm)
+    # fp8+bf16bwd: the FP8 forward with a BF16 backward at every site (the hybrid path);
+    # fp8+fusedbwd: the FP8 forward with the one-kernel FP8 backward (main's adds its switch).
+    path = "fp8" if arm == FUSED else arm
+    options = dict(overrides=(("*", arm),)) if arm == HYBRID else dict(policy="always", fmt=path)
     backend = "inductor" if arm == "bf16" else fp4_inductor.backend(**options)
     step_fn = torch.compile(model, backend=backend)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
@@ -103,7 +107,8 @@ def train(arm: str, args, train_data, val_data, device, init_state) -> dict:
             with fp4_inductor.configure(**options):
                 sites = [(s.name, s.path) for s in fp4_inductor.explain(model, x0).sites]
         model.zero_grad(set_to_none=True)
-        assert sites and all(path == arm for _, path in sites), sites
+        assert sites and all(site_path == path for _, site_path in sites), sites
+    fused_launches = _count_fused_launches() if arm == FUSED and device.type == "cuda" else None
     curve, val_curve, step_ms = [], [], []
     progress = _progress(args.steps, arm)
     for step, (x, y) in enumerate(batches(train_data, args.batch, args.seq, args.steps, seed=1)):
@@ -123,8 +128,29 @@ def train(arm: str, args, train_data, val_data, device, init_state) -> dict:
             val_curve.append((step + 1, evaluate(step_fn, val_data, args, device, amp)))
         progress.update(1)
     progress.close()
+    if arm == FUSED and device.type == "cuda":  # a refused or failed launch leaves the call to the two kernels
+        assert fused_launches[0] == fused_launches[1] > 0, f"the one-kernel backward ran {fused_launches}"
     return {"train_loss": curve, "val_loss": val_curve, "sites": sites,
             "median_step_ms": statistics.median(step_ms[len(step_ms) // 10:])}
+
+
+def _count_fused_launches() -> list[int]:
+    """[launches of the one-kernel backward, backward calls that passed it its operands],
+    counted from here on."""
+    from fp4_inductor.kernels.gluon import attention_bwd_fused
+
+    counts, launch, backward = [0, 0], attention_bwd_fused.fused_backward, kernels._backward
+
+    def counted_launch(*args):
+        counts[0] += 1
+        return launch(*args)
+
+    def counted_backward(*args, **kw):
+        counts[1] += args[11].dtype == torch.int8  # ke: the forward's codes
+        return backward(*args, **kw)
+
+    attention_bwd_fused.fused_backward, kernels._backward = counted_launch, counted_backward
+    return counts
 
 
 @torch.no_grad()
@@ -194,7 +220,10 @@ def main() -> None:
     split = int(data.numel() * 0.95)
     torch.manual_seed(0)
     init_state = GPT(args.layers, args.width, args.heads, args.seq).state_dict()
-    runs = {arm: train(arm, args, data[:split], data[split:], device, init_state) for arm in args.arms}
+    runs = {}
+    for arm in args.arms:
+        os.environ["FP4ATTN_FUSED_BACKWARD"] = "1" if arm == FUSED else "0"  # read when the backward is traced and run
+        runs[arm] = train(arm, args, data[:split], data[split:], device, init_state)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     final = {arm: run["val_loss"][-1][1] for arm, run in runs.items()}
     doc = {

@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from . import documents
+from . import documents, kernels
 from . import formats as F
 from . import quantized
 
@@ -45,7 +45,9 @@ class _LowPrecisionAttention(torch.autograd.Function):
         refuse_double_backward()
         *flat, bias, out, lse, row_ref, q_documents, k_documents = ctx.saved_tensors
         operands = quantized.Operands.of(*flat)
-        grad = quantized.grad_operands(dout, out, lse, row_ref, operands, ctx.p_mode)
+        fused = kernels.fused_backward_applies(operands.q.codes, operands.k.codes, operands.v.codes, bias, ctx.causal,
+                                               ctx.p_mode, *ctx.structure, q_documents, dout.dtype)
+        grad = quantized.grad_operands(dout, out, lse, row_ref, operands, ctx.p_mode, fused)
         dq, dk, dv = quantized.quantized_backward(grad, operands, bias, row_ref, ctx.sm_scale, ctx.causal,
                                                   ctx.p_mode, dout.dtype, ctx.grads_contiguous, *ctx.structure,
                                                   q_documents, k_documents)

@@ -29,6 +29,7 @@ E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
 E4M3_MAX = 448.0
 E5M2_MAX = 57344.0
+FP8_MAX = {E4M3: E4M3_MAX, E5M2: E5M2_MAX}
 INT8_MAX = 127.0
 
 FORMATS = ("fp8", "fp4")
@@ -156,7 +157,7 @@ def quantize_blockwise(x: torch.Tensor, dtype: torch.dtype = E4M3) -> tuple[torc
 
     Returns the codes, same shape, and float32 scales ``[B, H, scale_blocks(N)]``.
     """
-    fmax = E4M3_MAX if dtype == E4M3 else E5M2_MAX
+    fmax = FP8_MAX[dtype]
     x = x.float()
     # Tokens' amaxes first, blocks of those after: only the [..., N] amaxes are padded.
     # (Padding x itself, as _block_view does, made Inductor 2.11 fail an assertion when
@@ -310,18 +311,23 @@ def mxfp4_round(x: torch.Tensor) -> torch.Tensor:
     return q.flatten(-3, -2)[..., :n, :]
 
 
-def quantize_do(do: torch.Tensor, lse: torch.Tensor, row_ref: torch.Tensor, p_mode: str
+def quantize_do(do: torch.Tensor, lse: torch.Tensor, row_ref: torch.Tensor, p_mode: str, codes: torch.dtype = E5M2
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """dO for backward, E5M2 with one scale per head (it is contracted over channels in
-    dP = dO V^T and over tokens in dV = P^T dO).
+    """dO for backward, E5M2 (``codes``: E4M3 for the one-kernel backward) with one scale
+    per head (it is contracted over channels in dP = dO V^T and over tokens in dV = P^T dO).
+    With the per-head scale E4M3's third mantissa bit is worth more than E5M2's range:
+    gradients 0.048-0.051 (dQ, dK) and 0.039-0.043 (dV) against fp64 where E5M2 gives
+    0.065-0.069 and 0.059-0.062 (one-kernel numerics, CPU, perf-notes "v7"), at a flush to
+    zero of 2-4e-4 of Gaussian dO's values.
 
     Rows are first multiplied by ``backward_row_factor``, which turns the probability
     operand rebuilt against the forward's row reference into the normalized probability,
     so it never touches the P codes.  Returns (codes, scale).
     """
+    fmax = FP8_MAX[codes]
     dof = do.float() * backward_row_factor(lse, row_ref, p_mode)[..., None]
-    scale = _amax_scale(amax_or_zero(dof.abs(), (-2, -1)), E5M2_MAX)
-    return _cast(dof / scale[..., None, None], E5M2, E5M2_MAX), scale
+    scale = _amax_scale(amax_or_zero(dof.abs(), (-2, -1)), fmax)
+    return _cast(dof / scale[..., None, None], codes, fmax), scale
 
 
 def backward_row_factor(lse: torch.Tensor, row_ref: torch.Tensor, p_mode: str) -> torch.Tensor:
@@ -349,6 +355,15 @@ def backward_operands(q8, q_scale, k8, k_scale):
     qe, qe_scale = quantize_blockwise(dequantize_q(q8, q_scale))
     ke, ke_scale = quantize_blockwise(dequantize_k(k8, k_scale))
     return qe, qe_scale, ke, ke_scale
+
+
+def backward_operands_in_place_of_codes(q8, q_scale, k8, k_scale, codes_scale):
+    """``backward_operands`` for a call that passed the forward's INT8 codes in their place
+    (the one-kernel backward's operands) but runs another kernel: the E4M3 copies, Ke's
+    scales times the factor the caller folded into K's (``codes_scale / k_scale``: the
+    softmax scale, within an ulp of the one a caller folds into Ke's own)."""
+    qe, qe_scale, ke, ke_scale = backward_operands(q8, q_scale, k8, k_scale)
+    return qe, qe_scale, ke, ke_scale * (codes_scale / k_scale)
 
 
 # ---------------------------------------------------------------- probability operands

@@ -202,7 +202,11 @@ def attention_bwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients from the forward's saved operands; see ``reference.attention_backward``.
     dQ is w.r.t. Q times the softmax scale for the Ke scales ``formats.backward_operands``
-    returns; ``attention.py`` passes them times the softmax scale, for dQ w.r.t. Q.  All
+    returns; ``attention.py`` passes them times the softmax scale, for dQ w.r.t. Q.  A
+    caller may pass the one-kernel backward's operands (``kernels.fused_backward_applies``):
+    the forward's INT8 codes (and K's scales, times the same factor) in place of the E4M3
+    copies ``qe``/``ke``, and dO in E4M3 rather than E5M2; any other path derives the copies
+    from them.  All
     three are stored as ``grads_empty`` lays them out: contiguous with ``grads_contiguous``
     (the attention's inputs were), else ``[B, N, H, D]``.  The kernels take any strides."""
     dq, dk, dv = grads_empty(q, k, v_t, out_dtype, grads_contiguous)
@@ -212,8 +216,10 @@ def attention_bwd(
             kernel(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale, qe, qe_scale, ke, ke_scale,
                    bias, row_ref, causal, p_mode, dq, dk, dv, diagonal, window, q_documents, k_documents)
             return dq, dk, dv
-        except Exception as err:  # never kill the model: same numbers from the reference
+        except Exception as err:  # never kill the model: the two kernels' numbers from the reference
             _warn_once("bwd", f"fp4attn backward kernel failed ({err!r}); using the reference path")
+    if ke.dtype == torch.int8:  # the one-kernel backward's operands: the reference reads E4M3 copies
+        qe, qe_scale, ke, ke_scale = F.backward_operands_in_place_of_codes(q, q_scale, k, k_scale, ke_scale)
     grads = reference.attention_backward(
         do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale, qe, qe_scale, ke, ke_scale,
         bias, row_ref, causal, p_mode, out_dtype, diagonal, window, q_documents, k_documents,

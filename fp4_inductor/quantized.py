@@ -69,8 +69,10 @@ class Operands(NamedTuple):
 
 
 class GradOperands(NamedTuple):
-    """What ``fp4attn::bwd`` takes besides the forward's operands: E5M2 dO, delta =
-    rowsum(dO * O) from the quantized dO, and the E4M3 copies of Q and K."""
+    """What ``fp4attn::bwd`` takes besides the forward's operands: dO's codes (E5M2; E4M3
+    for the one-kernel backward), delta = rowsum(dO * O) from the quantized dO, and the
+    products' Q and K: E4M3 copies, or the forward's INT8 codes themselves for the
+    one-kernel backward."""
 
     do: Quantized
     delta: torch.Tensor
@@ -89,11 +91,15 @@ def quantized_forward(q, k, v, bias, sm_scale, causal, fmt, p_mode, diagonal=0, 
     return out, lse, row_ref, operands
 
 
-def grad_operands(dout, out, lse, row_ref, operands: Operands, p_mode: str) -> GradOperands:
+def grad_operands(dout, out, lse, row_ref, operands: Operands, p_mode: str, fused: bool = False) -> GradOperands:
     """dO quantized against the forward's row reference, delta, and Q's and K's E4M3 copies
-    (aten code: Inductor fuses it into the backward graph)."""
-    do8, do_scale = F.quantize_do(dout, lse, row_ref, p_mode)
+    (aten code: Inductor fuses it into the backward graph).  ``fused``
+    (``kernels.fused_backward_applies``): the one-kernel backward's operands instead, dO in
+    E4M3 and the forward's INT8 codes for the products, and the graph derives no copies."""
+    do8, do_scale = F.quantize_do(dout, lse, row_ref, p_mode, F.E4M3 if fused else F.E5M2)
     delta = (do8.float() * do_scale[..., None, None] * out.float()).sum(dim=-1)
+    if fused:
+        return GradOperands(Quantized(do8, do_scale), delta, operands.q, operands.k)
     qe, qe_scale, ke, ke_scale = F.backward_operands(*operands.q, *operands.k)
     return GradOperands(Quantized(do8, do_scale), delta, Quantized(qe, qe_scale), Quantized(ke, ke_scale))
 

@@ -219,6 +219,51 @@ def attention_backward(
     return dq.to(out_dtype), _group_sum(dk, hkv).to(out_dtype), _group_sum(dv, hkv).to(out_dtype)
 
 
+def fused_attention_backward(do8, do_scale, delta, q8, k8, v8t, q_scale, k_scale, v_scale, qe, qe_scale, ke,
+                             ke_scale, bias, row_ref, causal, p_mode, out_dtype):
+    """``attention_backward``'s gradients with the one-kernel backward's numerics
+    (``kernels/gluon/attention_bwd_fused.py``), whose ``ke``/``ke_scale`` are K's INT8 codes
+    and scales (times the softmax scale; ``qe`` is not read): P, dP and dS as there; dV =
+    Pᵀ·dO summed in float32; dS rounded once, to bf16 times the key block's ``ke_scale``
+    (``ds16``), for both 16-bit products: dQ = Σ ds16·K8, each 128-key block's partial rounded to bf16 and
+    added into a bf16 sum (the kernel's TMA reduce-adds, here in block order), and
+    dK = Σ ds16ᵀ·bf16(Q) · (1 / ke_scale) summed in float32, bf16(Q) from the forward's INT8
+    codes (``formats.dequantize_q``), not Qe's E4M3 ones.  SDPA's causal structure or none,
+    no documents."""
+    b, h, nq, d = q8.shape
+    hkv, nk = k8.shape[1], k8.shape[2]
+    group = h // hkv
+    do = do8.float() * do_scale[..., None, None]
+    v = _heads(v8t.transpose(-1, -2), h).float() * _heads(v_scale, h)[..., None, None]
+    ds16_scale = _heads(F.expand_block_scale(ke_scale, nk), h)[..., None, :]  # [B, H, 1, Nk]
+    ke_codes = _heads(ke, h).float()
+    q16 = F.dequantize_q(q8, q_scale).to(torch.bfloat16).float()
+    r = row_ref.float()
+    bm = F.ds_block_dk(d)[0]
+    dq = torch.zeros(b, h, nq, ke.shape[-1], device=q8.device)
+    dv = torch.zeros(b, hkv, nk, v8t.shape[-2], device=q8.device)
+    dk = torch.zeros(b, hkv, nk, d, device=q8.device)  # in units of ke_scale
+    for g in range(group):  # query head kv_head * group + g, for every kv head at once
+        heads = slice(g, None, group)
+        for start in range(0, nq, bm):
+            rows = slice(start, min(start + bm, nq))
+            x = log2_scores(q8[:, heads], k8, q_scale[:, heads], k_scale, bias if bias is None else
+                            bias.expand(b, h, nq, nk)[:, heads], causal, slice(0, nk), rows)
+            p = _probability(x, r[:, heads, rows, None], p_mode)
+            dsv = p * (do[:, heads, rows] @ v[:, heads].transpose(-1, -2) - delta[:, heads, rows, None])
+            dv += p.transpose(-1, -2) @ do[:, heads, rows]
+            ds16 = (dsv * ds16_scale[:, heads]).to(torch.bfloat16).float()
+            acc = torch.zeros_like(dq[:, heads, rows], dtype=torch.bfloat16)
+            for k0 in range(0, nk, F.KEY_TILE):  # the programs' partials, added in bf16
+                block = slice(k0, k0 + F.KEY_TILE)
+                part = (ds16[..., block] @ ke_codes[:, heads, block]).to(torch.bfloat16)
+                acc = (acc.float() + part.float()).to(torch.bfloat16)
+            dq[:, heads, rows] = acc.float()
+            dk += ds16.transpose(-1, -2) @ q16[:, heads, rows]
+    dk = dk * (1.0 / F.expand_block_scale(ke_scale, nk))[..., None]
+    return dq.to(out_dtype), dk.to(out_dtype), dv.to(out_dtype)
+
+
 def bf16_attention_backward(
     dout: torch.Tensor,
     q: torch.Tensor,

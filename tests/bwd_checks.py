@@ -51,25 +51,27 @@ def launcher():
     return attention_bwd.attention_backward
 
 
-def operands(b, h, hkv, nq, nk, d, p_mode, causal, bias_kind=None, dv=None, **structure):
+def operands(b, h, hkv, nq, nk, d, p_mode, causal, bias_kind=None, dv=None, fused=False, **structure):
     """Backward operands on the CPU, produced as attention.py produces them.  ``dv``: a
-    value head dim other than ``d``; ``structure``: ``diagonal``/``window`` and
-    ``q_documents``/``k_documents``."""
+    value head dim other than ``d``; ``fused``: the one-kernel backward's (``operands_of``);
+    ``structure``: ``diagonal``/``window`` and ``q_documents``/``k_documents``."""
     quantized, bias = quantized_operands(b, h, hkv, nq, nk, d, p_mode, bias_kind, dv=dv)
-    return operands_of(quantized, bias, causal, p_mode, **structure)
+    return operands_of(quantized, bias, causal, p_mode, fused=fused, **structure)
 
 
-def operands_of(quantized, bias, causal, p_mode, diagonal=0, window=0, q_documents=None, k_documents=None):
+def operands_of(quantized, bias, causal, p_mode, diagonal=0, window=0, q_documents=None, k_documents=None,
+                fused=False):
     """Backward operands from the forward's quantized ones (q8, k8, vt, qs, ks, vs), on
-    the CPU, with a random dO."""
+    the CPU, with a random dO; ``fused``: as ``quantized.grad_operands`` makes them for the
+    one-kernel backward (dO in E4M3, the forward's codes in place of Qe and Ke)."""
     q8, k8, vt, qs, ks, vs = quantized
     b, h, nq, _ = q8.shape
     dout = torch.randn(b, h, nq, vt.shape[-2])
     out, lse, row_ref = R.attention_forward(q8, k8, vt, qs, ks, vs, bias, causal, p_mode, torch.float32,
                                             diagonal, window, q_documents, k_documents)
-    do8, dos = F.quantize_do(dout, lse, row_ref, p_mode)
+    do8, dos = F.quantize_do(dout, lse, row_ref, p_mode, F.E4M3 if fused else F.E5M2)
     delta = (do8.float() * dos[..., None, None] * out).sum(dim=-1)
-    qe, qes, ke, kes = F.backward_operands(q8, qs, k8, ks)
+    qe, qes, ke, kes = (q8, qs, k8, ks) if fused else F.backward_operands(q8, qs, k8, ks)
     return (do8, dos, delta, q8, k8, vt, qs, ks, vs, qe, qes, ke, kes, bias, row_ref)
 
 

@@ -243,3 +243,55 @@ def test_backward_offers_the_gluon_kernels_no_document_ids(documents, monkeypatc
                       True, "direct", t, t, t, q_documents=ids, k_documents=ids)
     assert seen["documents"][0] is ids and seen["documents"][1] is ids
     assert ran == (["triton dK/dV", "triton dQ"] if documents else ["gluon dK/dV", "gluon dQ"])
+
+
+@pytest.mark.parametrize("change,applies", [
+    ({}, True),
+    ({"d": 64}, True),
+    ({"causal": False}, True),
+    ({"d": 96}, False),  # head dims it lacks
+    ({"bias": True}, False),
+    ({"window": 256}, False),  # causal structures other than SDPA's
+    ({"documents": True}, False),
+    ({"p_mode": "exp"}, False),
+    ({"switch": "0"}, False),
+    ({"failed": True}, False),  # its launch failed once in this process
+    ({"grad_dtype": torch.float32}, False),  # dQ's reduce-adds are bf16
+    ({"b": 40000}, False),  # past the grid's second dimension (B * Hkv < 65536)
+    ({"interpret": True}, False),  # the Triton interpreter: no Gluon kernel runs
+])
+def test_fused_backward_applies_from_what_a_graph_knows(change, applies, monkeypatch):
+    """Where the backward graph hands the op the forward's INT8 codes instead of E4M3
+    copies: the one-kernel backward switched on, P mode direct, D = 64 or 128, no bias, no
+    document ids, SDPA's causal structure or none (on an sm_90 GPU, stood in for here)."""
+    pytest.importorskip("triton.experimental.gluon")
+    monkeypatch.setattr(kernels, "_applies", lambda q: True)
+    monkeypatch.setattr(kernels, "_gluon_failed", {"attention_bwd_fused"} if change.get("failed") else set())
+    monkeypatch.setenv("FP4ATTN_FUSED_BACKWARD", change.get("switch", "1"))
+    monkeypatch.setenv("TRITON_INTERPRET", "1" if change.get("interpret") else "0")
+    b, d = change.get("b", 2), change.get("d", 128)
+    q, k, v_t = (torch.empty(size, dtype=torch.int8).expand(b, -1, -1, -1)  # no memory for the large batch
+                 for size in ((1, 8, 512, d), (1, 4, 512, d), (1, 4, d, 512)))
+    bias = torch.zeros(b, 1, 1, 512) if change.get("bias") else None
+    documents = torch.zeros(b, 512, dtype=torch.long) if change.get("documents") else None
+    assert kernels.fused_backward_applies(q, k, v_t, bias, change.get("causal", True), change.get("p_mode", "direct"),
+                                          0, change.get("window", 0), documents,
+                                          change.get("grad_dtype", torch.bfloat16)) is applies
+
+
+def test_fused_backward_applies_under_dynamo(monkeypatch):
+    """Dynamo, tracing an autograd.Function's backward with ``fullgraph`` (a model that
+    calls the attention directly under ``torch.compile``), takes the answer as a constant
+    rather than breaking the graph on the module import behind it."""
+    pytest.importorskip("triton.experimental.gluon")
+    monkeypatch.setattr(kernels, "_applies", lambda q: True)
+    monkeypatch.setattr(kernels, "_gluon_failed", set())
+    monkeypatch.setenv("FP4ATTN_FUSED_BACKWARD", "1")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+
+    def scaled(q, k, v_t):
+        return q.float() * (2.0 if kernels.fused_backward_applies(q, k, v_t, None, True, "direct") else 1.0)
+
+    q, k, v_t = torch.ones(1, 2, 64, 128, dtype=torch.int8), torch.ones(1, 1, 64, 128), torch.ones(1, 1, 128, 64)
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(scaled, backend="eager", fullgraph=True)(q, k, v_t), 2 * q.float())

@@ -86,6 +86,28 @@ def test_triton_backward_matches_reference(shape, p_mode, causal, extra, fresh_s
     _interpreted(SCRIPT.format(seed=fresh_seed, shape=shape, p_mode=p_mode, causal=causal, extra=extra))
 
 
+CODES_SCRIPT = """
+import torch
+from bwd_checks import check, operands, run
+from fp4_inductor import formats as F
+torch.manual_seed({seed})
+ops = operands(1, 4, 2, 130, 200, 80, "direct", True, fused=True)  # E4M3 dO, the forward's codes
+sm = 80 ** -0.5  # not a power of two: the derived copies' scales carry its rounding
+codes = ops[:12] + (ops[7] * sm,) + ops[13:]  # K's scales times the softmax scale, as the graph passes them
+qe, qes, ke, kes = F.backward_operands(ops[3], ops[6], ops[4], ops[7])
+grads, dumps = run(codes, True, "direct", device="cpu")
+check(ops[:9] + (qe, qes, ke, kes * sm) + ops[13:], True, "direct", grads, dumps)
+"""
+
+
+def test_triton_backward_takes_the_one_kernel_operands(fresh_seed):
+    """The one-kernel backward's operands (E4M3 dO, the forward's INT8 codes and K's scales
+    times the softmax scale in place of Qe/Ke), where its launch refuses them: the two
+    kernels' preparation derives the copies, and their gradients with the E4M3 dO meet the
+    reference's rules on those copies."""
+    _interpreted(CODES_SCRIPT.format(seed=fresh_seed))
+
+
 FORWARD_CASES = [
     ((2, 2, 2, 70, 300, 72, "keypad"), "direct", False, {}),
     ((3, 2, 1, 200, 700, 64, "leftpad"), "direct", True, {"diagonal": 500}),  # skipped tiles, rows of no key

@@ -8,7 +8,7 @@ import torch
 from fp4_inductor import formats as F
 from fp4_inductor import ops, quantized
 from fp4_inductor.formats import mask_to_log2_bias
-from helpers import bits
+from helpers import bits, rel_l2
 
 
 # test_schema compares inputs before and after with ops that CPU float8 lacks; mutation
@@ -126,6 +126,57 @@ def test_dq_comes_out_with_respect_to_q():
     assert not torch.equal(dq, (dq_scaled * sm_scale).to(torch.bfloat16))  # the fold changes roundings
 
 
+def test_backward_op_takes_the_one_kernel_operands(fresh_seed):
+    """``fp4attn::bwd`` given the one-kernel backward's operands (the forward's INT8 codes in
+    place of Qe and Ke, K's scales times the softmax scale, dO in E4M3) on a path that reads
+    copies derives them: the same gradients as from the copies themselves (the reference
+    path here; D = 64, whose softmax scale 1/8 the derivation recovers exactly)."""
+    from bwd_checks import operands
+
+    ops = operands(1, 4, 2, 96, 112, 64, "direct", True, fused=True)
+    assert ops[0].dtype == F.E4M3 and ops[9].dtype == ops[11].dtype == torch.int8
+    qe, qes, ke, kes = F.backward_operands(ops[3], ops[6], ops[4], ops[7])
+    tail = (True, "direct", torch.float32)
+    from_codes = torch.ops.fp4attn.bwd(*ops[:12], ops[12] * 0.125, *ops[13:], *tail)
+    from_copies = torch.ops.fp4attn.bwd(*ops[:9], qe, qes, ke, kes * 0.125, *ops[13:], *tail)
+    for name, a, b in zip("qkv", from_codes, from_copies):
+        assert torch.equal(a, b), f"d{name} differs"
+
+
+def test_backward_graph_hands_the_one_kernel_operands_where_it_applies(fresh_seed, monkeypatch):
+    """Where the one-kernel backward is for a call (``kernels.fused_backward_applies``) the
+    backward graph quantizes dO to E4M3 and passes the forward's codes, deriving no E4M3
+    copies (here the reference path derives them, once); its gradients, with E4M3 dO, are
+    closer to float64's than the E5M2 path's."""
+    from fp4_inductor import kernels
+    from fp4_inductor.attention import lowp_attention
+
+    q, k, v = (torch.randn(1, h, 96, 64, dtype=torch.bfloat16, requires_grad=True) for h in (4, 2, 2))
+    dout = torch.randn(1, 4, 96, 64, dtype=torch.bfloat16)
+    exact = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    want = torch.autograd.grad(torch.nn.functional.scaled_dot_product_attention(*exact, is_causal=True,
+                                                                                enable_gqa=True), exact, dout.double())
+    derived = []
+    derive = F.backward_operands_in_place_of_codes
+    monkeypatch.setattr(F, "backward_operands_in_place_of_codes", lambda *a: derived.append(1) or derive(*a))
+    errors = []
+    for fused in (False, True):
+        monkeypatch.setattr(kernels, "fused_backward_applies", lambda *a, fused=fused: fused)
+        grads = torch.autograd.grad(lowp_attention(q, k, v, is_causal=True), (q, k, v), dout)
+        assert len(derived) == fused, "the copies were derived from codes the graph did not pass"
+        errors.append([rel_l2(g, w) for g, w in zip(grads, want)])
+    for name, e5m2, e4m3 in zip("qkv", *errors):
+        assert e4m3 < e5m2, f"d{name}: {e4m3:.4f} with the one-kernel operands, {e5m2:.4f} without"
+    # The same through AOTAutograd's trace (fake tensors: the op's fake kernel and the E4M3
+    # dO in a traced graph), against eager.
+    compiled = torch.compile(lambda *t: lowp_attention(*t, is_causal=True), backend="aot_eager", fullgraph=True)
+    eager = torch.autograd.grad(lowp_attention(q, k, v, is_causal=True), (q, k, v), dout)
+    traced = torch.autograd.grad(compiled(q, k, v), (q, k, v), dout)
+    assert len(derived) == 3, "the traced graph did not pass the codes"
+    for name, a, b in zip("qkv", traced, eager):
+        assert torch.equal(a, b), f"d{name}: traced differs from eager"
+
+
 def test_ops_are_pt2_compliant_and_have_no_second_derivative():
     """The ops carry the tag torch.compile's checks look for, and a double backward through
     lowp_attention raises our error (fp4attn::bwd has no gradient) instead of returning a
@@ -198,7 +249,6 @@ def test_unaligned_keys_attend_to_their_own_keys(mask):
     zero key scores 0, so a padded key that leaked in would take most of each row's
     probability (its value is 0: the output would all but vanish)."""
     from fp4_inductor.attention import lowp_attention
-    from helpers import rel_l2
 
     nk, shift = 150, torch.zeros(64, dtype=torch.float64)
     shift[0] = 9.0  # q.k ~ -81 + noise, times the scale 1/8

@@ -30,28 +30,14 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language import _core as ttgl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: common
 import common as C  # noqa: E402
 
+from fp4_inductor.kernels.gluon.attention_bwd_fused import _reduce_add as async_reduce_add  # noqa: E402
 from fp4_inductor.kernels.gluon.attention_fwd import _compile_sm90, _layout, _tensor_desc  # noqa: E402
-
-# Triton 3.6's ``hopper.tma`` does not export the TMA reduce though its builder has the op
-# (``create_async_tma_reduce``, shared with the async store's lowering); later Triton exports
-# it as ``tma.async_atomic_add``.  Like the async store it reads shared memory
-# asynchronously: ``tma.store_wait(n)`` before the buffer is written again.
-if hasattr(tma, "async_atomic_add"):
-    async_reduce_add = tma.async_atomic_add
-else:
-    @ttgl.builtin
-    def async_reduce_add(tensor_desc, coord, src, _semantic=None):
-        """Add the shared-memory tile ``src`` into ``tensor_desc``'s block at ``coord``."""
-        coord = _semantic._convert_to_ir_values(coord, require_i64=False)
-        _semantic.builder.create_async_tma_reduce(ttgl.ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
-                                                  src.handle)
 
 CHUNK = [64, 64]  # float32: 16 KB
 CHUNK_BYTES = CHUNK[0] * CHUNK[1] * 4

@@ -165,8 +165,41 @@ def _gluon_dkdv(ops, dk, dv, bias, p_mode) -> bool:
     return _run_gluon("attention_bwd_dkdv", "dK/dV", "dkdv_backward", args + (bias, p_mode), args + (ops.key_rows,))
 
 
+def fused_backward_enabled() -> bool:
+    """``FP4ATTN_FUSED_BACKWARD=1``: the one-kernel backward (``kernels.gluon.attention_bwd_fused``,
+    ``reference.fused_attention_backward``'s numerics) where it covers the call.  Read where
+    the backward's operands are made (``fused_backward_applies``): a graph compiled with it
+    keeps it.  Off by default until the H200 measures it faster than the two kernels
+    (docs/perf-notes/)."""
+    return os.environ.get("FP4ATTN_FUSED_BACKWARD", "0") == "1"
+
+
+@torch.compiler.assume_constant_result  # Dynamo, tracing an autograd.Function's backward, takes its answer
+def fused_backward_applies(q, k, v_t, bias, causal, p_mode, diagonal=0, window=0, q_documents=None,
+                           grad_dtype=torch.bfloat16) -> bool:
+    """Whether the one-kernel backward is for this call (the switch on, an sm_90 GPU, the
+    structures, sizes, head dims and gradient dtype it covers), from what a traced graph
+    knows: its operands then go to the op (``quantized.grad_operands``: dO in E4M3, the
+    forward's INT8 codes for the products), and the backward graph derives no E4M3 copies of
+    Q and K.  Where its launch refuses the call after all, the two kernels' preparation
+    derives them (``attention_bwd_prep.prepare``)."""
+    if not (fused_backward_enabled() and _applies(q)) or os.environ.get("TRITON_INTERPRET", "0") == "1" \
+            or "attention_bwd_fused" in _gluon_failed:
+        return False
+    fused = _module("gluon", "attention_bwd_fused")
+    return fused is not None and fused.covers(q, k, v_t, bias, causal, p_mode, diagonal, window, q_documents,
+                                              grad_dtype)
+
+
 def _backward(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale, qe, qe_scale, ke, ke_scale, bias, row_ref,
               causal, p_mode, dq, dk, dv, diagonal=0, window=0, q_documents=None, k_documents=None):
+    if ke.dtype == torch.int8:  # the forward's codes (fused_backward_applies): the one-kernel backward's operands
+        args = (do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale, qe, qe_scale, ke, ke_scale)
+        if os.environ.get("TRITON_INTERPRET", "0") != "1" \
+                and _run_gluon("attention_bwd_fused", "fused backward", "fused_backward",
+                               args + (bias, row_ref, causal, p_mode, dq, dk, dv, diagonal, window, q_documents),
+                               args + (row_ref, causal, dq, dk, dv)):
+            return  # else the preparation derives the copies the two kernels read
     ops = _module("triton", "attention_bwd_prep").prepare(
         do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale, qe, qe_scale, ke, ke_scale, bias, row_ref, causal,
         p_mode, dk, dv, diagonal, window, q_documents, k_documents)

@@ -63,7 +63,9 @@ def prepare(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale, qe, qe_sc
             causal, p_mode, dk, dv, diagonal=0, window=0, q_documents=None, k_documents=None,
             emulate=None) -> BackwardOperands | None:
     """The call's ``BackwardOperands`` (arguments as ``reference.attention_backward``), or
-    None for a call with no query or no key, whose ``dk`` and ``dv`` it zeroes.
+    None for a call with no query or no key, whose ``dk`` and ``dv`` it zeroes.  It takes
+    the one-kernel backward's operands too (``ops.attention_bwd``: the forward's INT8 codes
+    in place of ``qe``/``ke``, from which it derives the copies, and dO in E4M3).
     ``emulate`` overrides the interpreter's choice (tests)."""
     b, h, nq, d = q.shape
     hkv, nk, dv_dim = k.shape[1], k.shape[2], v_t.shape[-2]
@@ -72,9 +74,13 @@ def prepare(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale, qe, qe_sc
                          f"{F.MIN_HEAD_DIM} to {F.MAX_HEAD_DIM})")
     if h % hkv:
         raise ValueError(f"{h} query heads not a multiple of {hkv} kv heads")
-    if q.dtype != torch.int8 or k.dtype != torch.int8 or v_t.dtype != F.E4M3 or do.dtype != F.E5M2 \
+    if ke.dtype == torch.int8:  # the one-kernel backward's operands, which its launch refused: these
+        # kernels read E4M3 copies of Q and K (its E4M3 dO as it is: the Triton kernels' products take
+        # either 8-bit float, the Gluon two kernels E5M2 only)
+        qe, qe_scale, ke, ke_scale = F.backward_operands_in_place_of_codes(q, q_scale, k, k_scale, ke_scale)
+    if q.dtype != torch.int8 or k.dtype != torch.int8 or v_t.dtype != F.E4M3 or do.dtype not in (F.E5M2, F.E4M3) \
             or qe.dtype != F.E4M3 or ke.dtype != F.E4M3:
-        raise TypeError("expected int8 q/k, float8_e4m3fn v_t/qe/ke and float8_e5m2 do, got "
+        raise TypeError("expected int8 q/k, float8_e4m3fn v_t/qe/ke and float8_e5m2 (or e4m3fn) do, got "
                         f"{q.dtype}, {k.dtype}, {v_t.dtype}/{qe.dtype}/{ke.dtype}, {do.dtype}")
     if nq == 0 or nk == 0:
         if nk == 0 and nq:
