@@ -2,14 +2,17 @@
 which composes them, is defined beside the host code it runs, in ``quantized.py``).
 
 ``quantize`` turns Q, K and V into the forward's operands; ``fwd`` and ``bwd`` take the
-quantized operands.  Where a GPU kernel exists it runs; everywhere else, and if a kernel
-fails at run time (with one warning), ``formats.py`` and the reference emulation in
-``reference.py`` compute the same numbers.
+quantized operands.  Where a GPU kernel exists it runs; on the CPU ``formats.py`` and the
+reference emulation in ``reference.py`` compute the same numbers.  On a GPU the float64
+reference runs only when asked (``FP4ATTN_REFERENCE_ON_GPU=1``, for checks): a kernel that
+fails, or a call no kernel takes, raises :class:`KernelError` with the call's shapes
+rather than running orders of magnitude slower behind a warning.
 """
 
 from __future__ import annotations
 
-import warnings
+import logging
+import os
 
 import torch
 
@@ -17,7 +20,11 @@ from . import reference
 from . import formats as F
 from .kernels import backward_kernel, bf16_backward, forward_kernel, quantize_kernel
 
-_warned: set[str] = set()
+log = logging.getLogger(__name__)
+
+
+class KernelError(RuntimeError):
+    """A GPU kernel of ours failed, or none takes the call: the op and its operands' shapes."""
 
 # The ops are defined with ``torch.library.Library`` rather than ``custom_op``: the same
 # schema, fake kernels and dispatch, without custom_op's autograd layer around each call
@@ -41,10 +48,28 @@ def define(name: str):
     return register
 
 
-def _warn_once(key: str, message: str) -> None:
-    if key not in _warned:
-        _warned.add(key)
-        warnings.warn(message, RuntimeWarning, stacklevel=3)
+def _launch(op: str, kernel, *args) -> None:
+    """``kernel(*args)``, its failure raised as ours with what the call was."""
+    try:
+        kernel(*args)
+    except Exception as err:
+        raise KernelError(f"fp4attn::{op} kernel failed for {_describe(args)}: {type(err).__name__}: {err}") from err
+
+
+def _describe(args) -> str:
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    device = tensors[0].device if tensors else "?"
+    shapes = ", ".join(f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}" for t in tensors[:6])
+    return f"operands {shapes} on {device}"
+
+
+def _reference_allowed(op: str, *operands: torch.Tensor) -> None:
+    """The reference may stand in for a kernel on the CPU, or on a GPU when asked."""
+    if operands[0].is_cuda and os.environ.get("FP4ATTN_REFERENCE_ON_GPU") != "1":
+        name = torch.cuda.get_device_name(operands[0].device)
+        raise KernelError(f"no fp4attn::{op} kernel runs {_describe(operands)} ({name}); the float64 reference "
+                          "would run in its place at orders of magnitude the time: leave this site to SDPA "
+                          "(policy or overrides), or set FP4ATTN_REFERENCE_ON_GPU=1 to run the reference")
 
 
 def _no_work(q: torch.Tensor, k: torch.Tensor) -> bool:
@@ -102,8 +127,9 @@ def quantize(
     if kernel is not None:
         try:
             return kernel(q, k, v, sm_scale)
-        except Exception as err:  # never kill the model: same numbers from the formats code
-            _warn_once("quantize", f"fp4attn quantization kernel failed ({err!r}); using the formats code")
+        except Exception as err:  # the formats code gives the same codes at GPU speed: logged each time
+            log.warning("fp4attn::quantize kernel failed for %s (%s: %s); the formats code ran instead",
+                        _describe((q, k, v)), type(err).__name__, err)
     return tuple(t.contiguous() for t in F.quantize_inputs(q, k, v, sm_scale, fmt))
 
 
@@ -153,12 +179,11 @@ def attention_fwd(
     lse, row_ref = (torch.empty(b, h, nq, dtype=torch.float32, device=q.device) for _ in range(2))
     kernel = None if _no_work(q, k) else forward_kernel(q, p_mode)
     if kernel is not None:
-        try:
-            kernel(q, k, v_t, q_scale, k_scale, v_scale, bias, causal, p_mode, out, lse, row_ref, diagonal, window,
-                   q_documents, k_documents)
-            return out, lse, row_ref
-        except Exception as err:  # never kill the model: same numbers from the reference
-            _warn_once("fwd", f"fp4attn forward kernel failed ({err!r}); using the reference path")
+        _launch("fwd", kernel, q, k, v_t, q_scale, k_scale, v_scale, bias, causal, p_mode, out, lse, row_ref, diagonal,
+                window, q_documents, k_documents)
+        return out, lse, row_ref
+    if not _no_work(q, k):
+        _reference_allowed("fwd", q, k, v_t)
     for dst, src in zip((out, lse, row_ref), reference.attention_forward(
             q, k, v_t, q_scale, k_scale, v_scale, bias, causal, p_mode, out_dtype, diagonal, window, q_documents,
             k_documents)):
@@ -212,12 +237,11 @@ def attention_bwd(
     dq, dk, dv = grads_empty(q, k, v_t, out_dtype, grads_contiguous)
     kernel = None if _no_work(q, k) else backward_kernel(q, p_mode)
     if kernel is not None:
-        try:
-            kernel(do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale, qe, qe_scale, ke, ke_scale,
-                   bias, row_ref, causal, p_mode, dq, dk, dv, diagonal, window, q_documents, k_documents)
-            return dq, dk, dv
-        except Exception as err:  # never kill the model: the two kernels' numbers from the reference
-            _warn_once("bwd", f"fp4attn backward kernel failed ({err!r}); using the reference path")
+        _launch("bwd", kernel, do, do_scale, delta, q, k, v_t, q_scale, k_scale, v_scale, qe, qe_scale, ke, ke_scale,
+                bias, row_ref, causal, p_mode, dq, dk, dv, diagonal, window, q_documents, k_documents)
+        return dq, dk, dv
+    if not _no_work(q, k):
+        _reference_allowed("bwd", do, q, k, v_t)
     if ke.dtype == torch.int8:  # the one-kernel backward's operands: the reference reads E4M3 copies
         qe, qe_scale, ke, ke_scale = F.backward_operands_in_place_of_codes(q, q_scale, k, k_scale, ke_scale)
     grads = reference.attention_backward(
@@ -254,11 +278,12 @@ def attention_bf16_bwd(
     kernel (``kernels.bf16_backward``); ``bias`` is the kernels' float32 log2-unit bias of
     the call's unpadded keys.  Where no kernel runs, ``reference.bf16_attention_backward``."""
     results = None
-    if q.is_cuda and not _no_work(q, k):
+    if q.is_cuda and not _no_work(q, k) and os.environ.get("FP4ATTN_REFERENCE_ON_GPU") != "1":
         try:
             results = bf16_backward.backward(dout, q, k, v, out, lse, bias, scale, causal, diagonal, window)
-        except Exception as err:  # never kill the model: same math from the reference
-            _warn_once("bf16_bwd", f"fp4attn BF16 backward kernel failed ({err!r}); using the reference path")
+        except Exception as err:
+            raise KernelError(f"fp4attn::bf16_bwd failed for {_describe((dout, q, k, v))}: "
+                              f"{type(err).__name__}: {err}") from err
     if results is None:
         results = reference.bf16_attention_backward(dout, q, k, v, out, lse, bias, scale, causal, diagonal, window)
     # The layout the fake promises (a copy only where the kernel's differs).

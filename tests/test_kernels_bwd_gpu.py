@@ -160,7 +160,6 @@ def test_bf16_gradients_and_op_dispatch(n, d, monkeypatch):
 
     # Fallback warnings are given once per process: start fresh so that none is hidden.
     monkeypatch.setattr(kernels, "_gluon_failed", set())
-    monkeypatch.setattr(fp4_ops, "_warned", set())
     taken = {}
     for name in ("_gluon_dq", "_gluon_dkdv"):
         def record(*args, _name=name, _run=getattr(kernels, name), **kwargs):
