@@ -39,45 +39,29 @@ staged_tree() {  # name of the patch file
 item_calibrate() {  # #62: this GPU's cost table by the package's calibration, the fit refitted with it
   python3 benchmarks/cost_table.py --out "$out" --raw-out "$out"
 }
-item_cudnn_bwd_probe() {  # #60 item 4: the 1.5 rel-L2 of torch's cuDNN SDPA backward in bench_training
-  python3 benchmarks/lab/probe_cudnn_backward.py --out "$out/cudnn_bwd_probe.json"
-}
-item_cudnn_bwd_bench() {  # #60 item 4: the bench's cuDNN row alone, after a CUDA-graph row, after every ours row
-  for methods in "sdpa-cudnn-bf16" "ours-direct-graphs sdpa-cudnn-bf16" \
-                 "ours-hybrid-cudnn ours-direct ours-direct-compiled sdpa-cudnn-bf16"; do
-    echo "== $methods"
-    python3 benchmarks/bench_attention.py --training --ns 4096 --ds 128 --methods $methods --out /tmp/cudnn_row
-    python3 -c "import json; [print(r['method'], r['pass'], r.get('grad_rel_l2'), r['status'][:80]) for r in json.load(open('/tmp/cudnn_row.json'))['results']]"
-  done
-}
-item_cudnn_order() {  # #60 item 4: our cuDNN backward call and torch's, in either order
-  python3 benchmarks/lab/probe_cudnn_order.py --out "$out/cudnn_order.json"
-}
-item_convergence_hybrid_main() {  # the hybrid arm diverged (H100, 3000 steps): main without the staged series
-  python3 benchmarks/train_gpt.py --arms bf16 fp8+bf16bwd --steps 1500 --seq 2048 --batch 8 --out "$out/convergence_hybrid"
-  FP4ATTN_BF16_BACKWARD=flash python3 benchmarks/train_gpt.py --arms fp8+bf16bwd --steps 1500 --seq 2048 --batch 8 \
+item_convergence_hybrid() {  # the hybrid after both of its fixes, 3000 steps, each BF16 backward in its own process
+  python3 benchmarks/train_gpt.py --arms bf16 fp8+bf16bwd --steps 3000 --seq 2048 --batch 8 --out "$out/convergence_hybrid"
+  FP4ATTN_BF16_BACKWARD=flash python3 benchmarks/train_gpt.py --arms fp8+bf16bwd --steps 3000 --seq 2048 --batch 8 \
     --out "$out/convergence_hybrid_flash"
 }
-item_bench_corruption() {  # #60 item 4: which row changes what the cuDNN row computes
-  python3 benchmarks/lab/probe_bench_corruption.py
+item_policy_grid() {  # #62 item 4: auto against the faster path on this GPU, with its shipped table
+  python3 benchmarks/policy_grid.py --out "$out/policy_grid"
 }
-item_bench_rows() {  # #60 item 4: bench_training's own run, checked after each row
-  python3 benchmarks/lab/probe_bench_rows.py ours-hybrid-cudnn ours-direct ours-direct-compiled sdpa-cudnn-bf16
+item_model_rows() {  # #62 item 4: model rows, auto against always, fp4attn-bf16 and torch.compile's default
+  python3 benchmarks/bench_model.py --workloads prefill flux --seqs 4096 16384 --layers 8 --flux-sizes 1024 2048 \
+    --out "$out/model_rows.json"
 }
-item_gpu_tests_hybrid() {  # the hybrid's BF16 backward in the smoothed frame, on the GPU kernels
-  python3 -m pytest -q -m gpu tests/test_hybrid_gpu.py -x -rfE
+item_head_dims_staged() {  # owed item 11: the staged Gluon forward at head dims 33-128, its GPU tests
+  local dir; dir=$(staged_tree gluon-forward-head-dims) || return 1
+  (cd "$dir" && python3 -m pytest -q -m gpu tests/test_kernels_gpu.py -k odd_head_dims -rfE)
 }
 item_gpu_tests_fixed() {  # #60 item 3: the GPU tests that failed or did not import on the H100
   python3 -m pytest -q -m gpu tests/test_masks.py tests/test_golden.py tests/test_minilm.py -x -rfE
 }
-item_convergence_fused() {  # #63: the one-kernel backward's convergence, E4M3 dO (owed item 9)
-  local dir; dir=$(staged_tree fused-backward) || return 1
-  (cd "$dir" && python3 benchmarks/train_gpt.py --arms bf16 fp8 fp8+bf16bwd fp8+fusedbwd --steps 3000 \
-    --seq 2048 --batch 8 --out "$out/convergence_fused")
-}
 
-declare -A LIMIT=([calibrate]=330 [cudnn_bwd_probe]=120 [cudnn_bwd_bench]=150 [cudnn_order]=200 [bench_corruption]=200 [bench_rows]=150 [gpu_tests_hybrid]=150 [convergence_hybrid_main]=240 [gpu_tests_fixed]=240 [convergence_fused]=560)
-ORDER=(calibrate gpu_tests_hybrid cudnn_bwd_probe cudnn_bwd_bench cudnn_order bench_corruption bench_rows convergence_hybrid_main gpu_tests_fixed convergence_fused)
+declare -A LIMIT=([gpu_tests_fixed]=240 [policy_grid]=560 [model_rows]=560 [convergence_hybrid]=400 [calibrate]=330 [head_dims_staged]=240)
+# calibrate last: the H100's table ships (2026-12-06); on an H200 it refreshes that table
+ORDER=(gpu_tests_fixed policy_grid model_rows convergence_hybrid head_dims_staged calibrate)
 
 setup
 items=("$@")
