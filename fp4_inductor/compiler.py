@@ -119,6 +119,8 @@ def rewrite_and_compile(gm: torch.fx.GraphModule, options: Options, compile_fn) 
         return compile_fn(gm), records
     try:
         return compile_fn(gm), records
+    except (torch._dynamo.exc.RestartAnalysis, torch._dynamo.exc.SkipFrame):
+        raise  # Dynamo's own control flow (a restart with other specialisations), not a failure
     except Exception as err:  # our ops' trace failed: the sites go back to SDPA
         summary = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"[:300]
         for module, graph in original:
