@@ -8,13 +8,19 @@ B N = 16k tokens, H D = 2048) is a time, which the model splits in two:
   unit on the GPU, per pass (a forward, and in training a backward, each bound by the
   slowest of the tensor cores at the pass's precision, the exp unit and the issue slots:
   ``PASSES``), over an efficiency;
-- the quantization's (low-precision rows with their quantization counted): its byte
-  floor over the memory bandwidth, times a factor.
+- the quantization's (low-precision rows with their quantization counted), a roofline of
+  its own: the slower of its bytes over the memory bandwidth (times a factor: the
+  bandwidth it reaches) and its elements' lane operations over the SMs' issue slots.  It
+  moves the same tokens at every N, so its two constants are global.
 
-``fit`` takes the efficiencies (per row and N) and the quantization factors (per N, from
-the forward rows measured with and without quantization) from every shipped table, as
-geometric means over the tables: with one table the model reproduces it; with several the
-spread between them is the fit's error, which the policy takes as the model's margin.
+``fit`` takes the quantization's two constants from the forward rows measured with and
+without it (on every table at once, by a robust least squares of the log error), then the
+efficiencies (per row and N) from every shipped table as geometric means over the tables:
+with one table the model reproduces it; with several the spread between them is the fit's
+error.  The model's margin is that error, per family of rows (a path, a key less its head
+dim: ``causal/fwd``, ``full/train/padding``, ...) and length: the largest error on the
+speedup over BF16 of the family's rows there on any table (``margins``), so that a decision
+needs the predicted speedup to exceed 1 + the error the fit makes there.
 ``synthesize`` writes the table the model predicts for a GPU from its properties: SM count,
 clock and memory bandwidth as CUDA reports them, the tensor-core rate per SM by model (an
 H20 has a quarter of an H100's per SM and the same exp unit), 16 exp per SM per clock and
@@ -37,7 +43,7 @@ from pathlib import Path
 from .cost_tables import SHIPPED, check_table, table_text
 
 FIT_PATH = SHIPPED / "_analytic_fit.json"  # no GPU's slug starts with "_"
-SCHEMA = 1
+SCHEMA = 2
 TOKENS, WIDTH = 16384, 2048  # the tables' grid: B N tokens, H D elements per token
 WINDOW = 4096  # the window of the tables' "window" rows (calibration.WINDOW)
 EXP_PER_CLOCK = 16  # MUFU.EX2 per SM per clock (sm_90)
@@ -58,8 +64,10 @@ PASSES = {
     "fp4": {"fwd": (4, 0, 30)},
 }
 # Bytes the quantization moves per element of Q (K and V as many, Q K V read in BF16, V
-# twice, 8-bit codes written; in training dO read and quantized and O read for delta).
+# twice, 8-bit codes written; in training dO read and quantized and O read for delta), and
+# the elements it quantizes per element of Q (Q, K, V; in training dO too).
 QUANT_BYTES = {"fwd": 11, "train": 16, "hybrid": 11}
+QUANT_ELEMENTS = {"fwd": 3, "train": 4, "hybrid": 3}
 # What CUDA reports for the GPUs with shipped tables (SM clock and memory clock in kHz,
 # bus width in bits): the fit needs each table's hardware.  calibrate() records them.
 KNOWN_GPUS = {
@@ -101,6 +109,10 @@ class Hardware:
             clocks += max(flop * d / rate, exps / EXP_PER_CLOCK, ops / ISSUE_PER_CLOCK)
         return clocks / (self.sms * self.clock_hz)
 
+    def issue_seconds(self, lane_operations: float) -> float:
+        """The time the SMs' issue slots take for ``lane_operations``."""
+        return lane_operations / (ISSUE_PER_CLOCK * self.sms * self.clock_hz)
+
 
 @dataclasses.dataclass(frozen=True)
 class Row:
@@ -133,11 +145,24 @@ class Row:
     def flops(self) -> float:
         return 2.0 * sum(self.head_dims) * self.scores() * (3.5 if self.training else 1.0)
 
-    def quant_bytes(self) -> float:
+    @property
+    def quantized(self) -> str | None:
+        """What the row's quantization pass quantizes (a ``QUANT_BYTES`` kind), None where
+        the row has none (BF16, the kernels alone)."""
         if self.path == "bf16" or self.path.endswith("-kernel"):
-            return 0.0
-        kind = "hybrid" if "bf16bwd" in self.path else "train" if self.training else "fwd"
-        return QUANT_BYTES[kind] * TOKENS * WIDTH
+            return None
+        return "hybrid" if "bf16bwd" in self.path else "train" if self.training else "fwd"
+
+    def quant_bytes(self) -> float:
+        return QUANT_BYTES[self.quantized] * TOKENS * WIDTH if self.quantized else 0.0
+
+    def quant_elements(self) -> float:
+        return QUANT_ELEMENTS[self.quantized] * TOKENS * WIDTH if self.quantized else 0.0
+
+    @property
+    def family(self) -> str:
+        """The key less its head dims: the rows whose errors one margin covers."""
+        return self.key.split("/", 1)[1]
 
     def seconds_per_score(self, hw: Hardware) -> float:
         return hw.seconds_per_score(self.path, sum(self.head_dims) / 2, self.training)
@@ -155,23 +180,46 @@ def _geomean(values) -> float:
     return math.exp(sum(math.log(v) for v in values) / len(values))
 
 
-def fit(tables: list[dict]) -> dict:
-    """The model's constants from measured tables (each with its GPU in ``KNOWN_GPUS``),
-    with its error against each of them."""
-    hardware = {t["gpu"]: Hardware.known(t["gpu"]) for t in tables}
-    factors: dict[int, list[float]] = {}  # quantization time over its byte floor, per N
+def _quant_points(tables: list[dict], hardware: dict) -> list[tuple]:
+    """Per forward row measured with and without its quantization: (seconds the
+    quantization took, its byte floor, its lane-operation floor per op per element)."""
+    points = []
     for t in tables:
         hw, rates = hardware[t["gpu"]], t["tflops"]
-        for key, points in rates.get("fp8", {}).items():
-            for n, rate in points.items():
+        for key, by_n in rates.get("fp8", {}).items():
+            for n, rate in by_n.items():
                 kernel = rates.get("fp8-kernel", {}).get(key, {}).get(n)
                 row = Row("fp8", key, int(n))
                 if kernel and kernel > rate:
                     seconds = row.flops() * (1 / rate - 1 / kernel) * 1e-12
-                    factors.setdefault(int(n), []).append(seconds * hw.bandwidth / row.quant_bytes())
-    if not factors:
+                    points.append((seconds, row.quant_bytes() / hw.bandwidth, hw.issue_seconds(row.quant_elements())))
+    return points
+
+
+def _fit_quantization(points: list[tuple]) -> dict:
+    """The quantization's roofline, ``max(bytes / bandwidth x over_floor, elements x
+    ops_per_element / issue rate)``, by least squares of the log error with a soft-L1
+    loss (a point off by 10 % weighs as in least squares, one off by 3x as a few of them:
+    a table's outlier does not drag the others)."""
+    def loss(factor, ops):
+        return sum(math.log1p((math.log(max(factor * floor, ops * issue) / s) / 0.1) ** 2)
+                   for s, floor, issue in points)
+
+    best = min(((loss(f / 100, o), f / 100, o) for f in range(100, 301, 2) for o in range(0, 201, 2)))
+    _, factor, ops = best
+    fine = min((loss(f / 1000, o / 10), f / 1000, o / 10) for f in range(int(factor * 1000) - 20, int(factor * 1000) + 21)
+               for o in range(max(int(ops * 10) - 20, 0), int(ops * 10) + 21))
+    return {"over_floor": round(fine[1], 3), "ops_per_element": round(fine[2], 1)}
+
+
+def fit(tables: list[dict]) -> dict:
+    """The model's constants from measured tables (each with its GPU in ``KNOWN_GPUS``),
+    with its error against each of them and the margins that cover it."""
+    hardware = {t["gpu"]: Hardware.known(t["gpu"]) for t in tables}
+    points = _quant_points(tables, hardware)
+    if not points:
         raise ValueError("no table has fp8 rows with and without quantization: nothing to fit the quantization to")
-    quant = {n: _geomean(f) for n, f in sorted(factors.items())}
+    quant = _fit_quantization(points)
     efficiencies: dict = {}
     for t in tables:
         hw = hardware[t["gpu"]]
@@ -183,27 +231,51 @@ def fit(tables: list[dict]) -> dict:
     constants = {
         "schema": SCHEMA,
         "tables": sorted(hardware),
-        "quant_over_floor": {str(n): round(f, 4) for n, f in quant.items()},
+        "quantization": quant,
         "efficiency": {path: {key: {n: round(_geomean(e), 5) for n, e in points.items()}
                               for key, points in by_key.items()} for path, by_key in efficiencies.items()},
     }
     errors = {t["gpu"]: fit_errors(constants, t) for t in tables}
     constants["rate_error"] = round(max(e["rate"] for e in errors.values()), 4)
     constants["speedup_error"] = round(max(e["speedup"] for e in errors.values()), 4)
+    constants["margins"] = _margins(tables, [e["points"] for e in errors.values()])
     return constants
 
 
+def _margins(tables: list[dict], points: list[dict]) -> dict:
+    """Per low-precision path, family and length, the largest speedup error there on any
+    table.  Where only one table has the path's family at that length the fit reproduces it
+    and has no error to show, so the margin is the widest of its neighbours': the same
+    family and length on the paths measured on several tables, the same path and family at
+    the nearest length measured on several."""
+    seen: dict = {}  # (path, family, n) -> [tables measuring it, largest error]
+    for t, errors in zip(tables, points):
+        for (path, key, n), error in errors.items():
+            entry = seen.setdefault((path, Row(path, key, n).family, n), [set(), 0.0])
+            entry[0].add(t["gpu"])
+            entry[1] = max(entry[1], error)
+    shared = {k: e for k, (gpus, e) in seen.items() if len(gpus) > 1}
+    margins: dict = {}
+    for (path, family, n), (gpus, error) in sorted(seen.items()):
+        if len(gpus) < 2:
+            same_length = [e for (p, f, m), e in shared.items() if f == family and m == n]
+            lengths = [m for (p, f, m) in shared if p == path and f == family]
+            nearest = [shared[(path, family, min(lengths, key=lambda m: abs(math.log(m / n))))]] if lengths else []
+            error = max([error] + same_length + nearest)
+        margins.setdefault(path, {}).setdefault(family, {})[str(n)] = round(error, 4)
+    return margins
+
+
 def _quant_seconds(row: Row, quant: dict, hw: Hardware) -> float:
-    if not row.quant_bytes():
+    if not row.quantized:
         return 0.0
-    nearest = min(quant, key=lambda n: abs(math.log(n / row.n)))
-    factor = quant.get(row.n, quant[nearest])
-    return row.quant_bytes() * factor / hw.bandwidth
+    return max(row.quant_bytes() / hw.bandwidth * quant["over_floor"],
+               hw.issue_seconds(row.quant_elements()) * quant["ops_per_element"])
 
 
 def synthesize(hw: Hardware, constants: dict) -> dict:
     """The table the model predicts for ``hw``: every row and length the fit has."""
-    quant = {int(n): f for n, f in constants["quant_over_floor"].items()}
+    quant = constants["quantization"]
     rates: dict = {}
     for path, by_key in constants["efficiency"].items():
         for key, points in by_key.items():
@@ -218,18 +290,32 @@ def synthesize(hw: Hardware, constants: dict) -> dict:
 
 def fit_errors(constants: dict, table: dict) -> dict:
     """The model's largest relative error against a measured table: over its rates, and
-    over the low-precision paths' speedups over BF16 (what decisions read)."""
+    over the low-precision paths' speedups over BF16 (what decisions read); ``points``:
+    the speedup error per (path, key, N)."""
     predicted = synthesize(Hardware.known(table["gpu"]), constants)["tflops"]
     measured = table["tflops"]
     rate = max(abs(predicted[r.path][r.key][str(r.n)] / m - 1) for r, m in _rows(table))
-    speedup = 0.0
+    points = {}
     for r, m in _rows(table):
         bf16 = measured.get("bf16", {}).get(r.key, {}).get(str(r.n))
         if r.path == "bf16" or r.path.endswith("-kernel") or not bf16:
             continue
         ratio = (predicted[r.path][r.key][str(r.n)] / predicted["bf16"][r.key][str(r.n)]) / (m / bf16)
-        speedup = max(speedup, abs(ratio - 1))
-    return {"rate": rate, "speedup": speedup}
+        points[(r.path, r.key, r.n)] = abs(ratio - 1)
+    return {"rate": rate, "speedup": max(points.values(), default=0.0), "points": points}
+
+
+def margin(constants: dict, path: str, key: str, n: float) -> float | None:
+    """The fit's speedup error for ``path`` at a key and length (``margins``): the larger of
+    the measured lengths either side of ``n`` (the nearest beyond the ends); None where the
+    fit has no such row."""
+    by_n = constants.get("margins", {}).get(path, {}).get(key.split("/", 1)[1] if "/" in key else key)
+    if not by_n:
+        return None
+    lengths = sorted(int(m) for m in by_n)
+    below = [m for m in lengths if m <= n][-1:] or lengths[:1]
+    above = [m for m in lengths if m >= n][:1] or lengths[-1:]
+    return max(by_n[str(below[0])], by_n[str(above[0])])
 
 
 def shipped_tables(*directories: Path) -> list[dict]:

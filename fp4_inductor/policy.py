@@ -258,8 +258,8 @@ class AnalyticModel:
     and tensor-core rate, as a table of the same rows.  It prices every row the shipped
     tables have (forward, training, the hybrid path, masks).  A decision needs the path's
     own margin (``MIN_SPEEDUP``, ``MIN_HYBRID_SPEEDUP``: what a measured table mispredicts)
-    or, where wider, ``min_speedup``: 1 + the fit's largest error on the speedups of the
-    tables it was fitted to.
+    or, where wider, ``min_speedup``: 1 + the fit's error on the speedups of the tables it
+    was fitted to, for the site's family of rows and length (``analytic.margin``).
     """
 
     gpu: str
@@ -267,7 +267,13 @@ class AnalyticModel:
     clock_hz: float
     bandwidth: float  # bytes/s
     table: CostTable
-    min_speedup: float
+    constants: dict = dataclasses.field(repr=False, compare=False)
+
+    def min_speedup(self, shape: SiteShape, rates: str) -> float:
+        """1 + the fit's speedup error for this path at the shape's row family and length
+        (its largest error anywhere where it has no such row)."""
+        error = analytic.margin(self.constants, rates, shape.table_key(), shape.rate_length())
+        return 1.0 + (self.constants["speedup_error"] if error is None else error)
 
     @classmethod
     def of(cls, device: torch.device) -> "AnalyticModel | None":
@@ -300,8 +306,7 @@ def _analytic_model(name: str, sms: int, clock_khz: float, mem_khz: float, bus_b
         return None
     hw = analytic.Hardware.of(name, sms, clock_khz, mem_khz, bus_bits)
     table = CostTable.from_doc(analytic.synthesize(hw, constants))
-    return AnalyticModel(name, hw.sms, hw.clock_hz, hw.bandwidth, table,
-                         1.0 + constants["speedup_error"])
+    return AnalyticModel(name, hw.sms, hw.clock_hz, hw.bandwidth, table, constants)
 
 
 def table_path(gpu_name: str) -> Path:
@@ -495,9 +500,12 @@ def cost_model(device: torch.device) -> "CostTable | AnalyticModel | None":
     return calibrated_table(gpu) or table_for(gpu) or AnalyticModel.of(device)
 
 
-def _threshold(path: "PricedPath", model) -> float:
-    """The predicted speedup a path needs: its own margin, or the model's if wider."""
-    return max(path.min_speedup, getattr(model, "min_speedup", 0.0))
+def _threshold(path: "PricedPath", model, shape: SiteShape) -> float:
+    """The predicted speedup a path needs at a shape: its own margin, or the model's there
+    if wider (the analytic model's fit error; a measured table has none of its own)."""
+    if isinstance(model, AnalyticModel):
+        return max(path.min_speedup, model.min_speedup(shape, path.rates))
+    return path.min_speedup
 
 
 def cost_model_decision(shape: SiteShape, path: "PricedPath | str", model: "CostTable | AnalyticModel | None",
@@ -513,7 +521,9 @@ def cost_model_decision(shape: SiteShape, path: "PricedPath | str", model: "Cost
     if speedup is None:
         return Decision("bf16", f"{shape.table_key()} not measured on this GPU for {path.label} ({model.label} "
                         "has no rate; fp4_inductor.tune() measures it)")
-    return _verdict(path, speedup, speedup >= _threshold(path, model), label=model.label)
+    threshold = _threshold(path, model, shape)
+    note = f" (its fit's error here asks for {threshold:.2f}x)" if threshold > path.min_speedup else ""
+    return _verdict(path, speedup, speedup >= threshold, note, label=model.label)
 
 
 def _verdict(path: "PricedPath", speedup: float, wins: bool, note: str = "", label: str = "cost model") -> Decision:
@@ -542,7 +552,7 @@ def crossover_length(shape: SiteShape, path: "PricedPath | str", model: "CostTab
             nq = max(1, round(shape.nq * n / shape.nk)) if vary == "both" else shape.nq
             scaled = dataclasses.replace(shape, nk=n, nq=nq)
         speedup = model.speedup(scaled, path.rates)
-        if speedup is None or speedup < _threshold(path, model):
+        if speedup is None or speedup < _threshold(path, model, scaled):
             break
         threshold = n
     return threshold
