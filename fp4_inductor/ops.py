@@ -122,7 +122,7 @@ def quantize(
     One op rather than aten code for Inductor to fuse: on the H200 Inductor's kernels for
     these cross-row reductions took 215 us where the op's two launches take 123; in a
     Llama-3.1-8B block with RoPE, which Inductor fuses into the op's input, the op's path
-    was the faster one too (docs/perf-notes/)."""
+    was the faster one too (docs/perf-notes/2026-12.md, "Quantization v7/v8")."""
     kernel = None if _no_work(q, k) else quantize_kernel(q, fmt)
     if kernel is not None:
         try:

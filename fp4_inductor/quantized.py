@@ -19,7 +19,8 @@ from . import formats as F
 # Keys a call's K and V are padded to a multiple of: the Gluon kernels read V^T's rows and
 # K's 16-key chunks as TMA boxes (16-byte aligned), and the Triton kernel falls back to byte
 # loads of V^T without them (a Wan2.1 480p video's 32760 tokens: 338 ms against 24 ms for
-# 32768 tokens on the Gluon kernel, H200, docs/perf-notes/).
+# 32768 tokens on the Gluon kernel, H200, docs/perf-notes/2026-12.md, "Models end to end, and
+# a 14x slowdown at unaligned key counts").
 KEY_ALIGN = 16
 
 

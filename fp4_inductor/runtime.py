@@ -7,7 +7,7 @@ attention in low precision.  ``patterns/`` only finds sites and inserts calls of
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+import torch.nn.functional as nnf
 
 from . import formats
 from .attention import lowp_attention
@@ -47,7 +47,7 @@ def causal_sdpa(q, k, v, attn_mask=None, scale=None, is_causal=True, *, fmt=None
         # The K/V the matchers un-repeated: repeated again as the model did, which keeps the
         # cuDNN backend (it takes no enable_gqa) eligible.
         k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    return nnf.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
 
 
 def bind_attention(fn, attention):
@@ -67,8 +67,8 @@ def bind_attention(fn, attention):
 def mha_lowp(query, key, value, num_heads, in_proj_weight, in_proj_bias, out_proj_weight, out_proj_bias,
              key_padding_mask, attn_mask, is_causal, q_proj_weight, k_proj_weight, v_proj_weight, *,
              attention=lowp_attention, **options):
-    """``F.multi_head_attention_forward`` with ``need_weights=False`` on sequence-first
-    ``[L, N, E]`` inputs, or one unbatched ``[L, E]`` sequence, the attention by
+    """``torch.nn.functional.multi_head_attention_forward`` with ``need_weights=False`` on
+    sequence-first ``[L, N, E]`` inputs, or one unbatched ``[L, E]`` sequence, the attention by
     ``attention(q, k, v, attn_mask=, is_causal=, **options)``."""
     unbatched = query.dim() == 2
     if unbatched:  # a batch of one, as upstream does
@@ -81,7 +81,7 @@ def mha_lowp(query, key, value, num_heads, in_proj_weight, in_proj_bias, out_pro
         weights = in_proj_weight.chunk(3)
     biases = in_proj_bias.chunk(3) if in_proj_bias is not None else (None, None, None)
     q, k, v = (
-        F.linear(x, w, b).unflatten(-1, (num_heads, -1)).permute(1, 2, 0, 3)  # [N, H, L, D]
+        nnf.linear(x, w, b).unflatten(-1, (num_heads, -1)).permute(1, 2, 0, 3)  # [N, H, L, D]
         for x, w, b in zip((query, key, value), weights, biases)
     )
     # The is_causal hint replaces attn_mask when no key padding is given, as upstream does.
@@ -91,7 +91,7 @@ def mha_lowp(query, key, value, num_heads, in_proj_weight, in_proj_bias, out_pro
         is_causal = False
     out = attention(q, k, v, attn_mask=_sdpa_mask(attn_mask, key_padding_mask, batch, num_heads),
                     is_causal=is_causal, **options)
-    out = F.linear(out.permute(2, 0, 1, 3).reshape(length, batch, embed), out_proj_weight, out_proj_bias)
+    out = nnf.linear(out.permute(2, 0, 1, 3).reshape(length, batch, embed), out_proj_weight, out_proj_bias)
     return (out.squeeze(1) if unbatched else out), None
 
 
@@ -114,10 +114,10 @@ def _attention(q_in, k_in, v_in, heads, qkv_weight, qkv_bias, proj_weight, proj_
     """The fused ops' attention on batch-first ``[B, L, E]`` inputs."""
     b, lq, e = q_in.shape
     if q_in is k_in is v_in:
-        q, k, v = F.linear(q_in, qkv_weight, qkv_bias).unflatten(-1, (3, heads, -1)).permute(2, 0, 3, 1, 4)
+        q, k, v = nnf.linear(q_in, qkv_weight, qkv_bias).unflatten(-1, (3, heads, -1)).permute(2, 0, 3, 1, 4)
     else:
         weights, biases = qkv_weight.chunk(3), qkv_bias.chunk(3) if qkv_bias is not None else (None,) * 3
-        q, k, v = (F.linear(x, w, bias).unflatten(-1, (heads, -1)).transpose(1, 2)
+        q, k, v = (nnf.linear(x, w, bias).unflatten(-1, (heads, -1)).transpose(1, 2)
                    for x, w, bias in zip((q_in, k_in, v_in), weights, biases))
     attn_mask = None
     if mask is not None:
@@ -127,7 +127,7 @@ def _attention(q_in, k_in, v_in, heads, qkv_weight, qkv_bias, proj_weight, proj_
             attn_mask = ~attn_mask
     out = attention(q, k, v, attn_mask=attn_mask, **options,
                     empty_rows="sdpa" if attn_mask is not None and attn_mask.dtype != torch.bool else "zero")
-    return F.linear(out.transpose(1, 2).reshape(b, lq, e), proj_weight, proj_bias)
+    return nnf.linear(out.transpose(1, 2).reshape(b, lq, e), proj_weight, proj_bias)
 
 
 def native_mha_lowp(query, key, value, embed_dim, num_heads, qkv_weight, qkv_bias, proj_weight, proj_bias, mask=None,
@@ -149,14 +149,14 @@ def encoder_layer_lowp(src, embed_dim, num_heads, qkv_weight, qkv_bias, proj_wei
                           attention, options)
 
     def feed_forward(x):
-        hidden = F.linear(x, ffn_weight_1, ffn_bias_1)
-        return F.linear(F.gelu(hidden) if use_gelu else F.relu(hidden), ffn_weight_2, ffn_bias_2)
+        hidden = nnf.linear(x, ffn_weight_1, ffn_bias_1)
+        return nnf.linear(nnf.gelu(hidden) if use_gelu else nnf.relu(hidden), ffn_weight_2, ffn_bias_2)
 
     def norm1(x):
-        return F.layer_norm(x, (embed_dim,), norm_weight_1, norm_bias_1, eps)
+        return nnf.layer_norm(x, (embed_dim,), norm_weight_1, norm_bias_1, eps)
 
     def norm2(x):
-        return F.layer_norm(x, (embed_dim,), norm_weight_2, norm_bias_2, eps)
+        return nnf.layer_norm(x, (embed_dim,), norm_weight_2, norm_bias_2, eps)
 
     if norm_first:
         x = src + attend(norm1(src))

@@ -5,7 +5,7 @@ Kernel and reference see the same quantized operands (quantized once, on the CPU
 reference runs on the CPU because its exact INT8 product uses an int64 matmul that CUDA
 lacks).  The P codes are bit-identical; what may differ is float32 summation order and
 the fp8 tensor cores' accumulation of each tile's P.V (the wgmma keeps fewer mantissa
-bits than float32).  Measured on the H200 (docs/perf-notes/): output rel-L2 <= 1.7e-4,
+bits than float32).  Measured on the H200 (docs/perf-notes/2026-11.md, "Accuracy"): output rel-L2 <= 1.7e-4,
 max |err| <= 6.3e-4 max |ref|, LSE within 2e-6.  The LSE depends only on the float32 row
 sums of the codes, so it is the sharp check of code exactness: one flipped code (an
 E4M3 step moves a probability by 1/8) shifts its row's LSE by p/(8 l): from ~1e-5 for
@@ -395,7 +395,7 @@ def test_lowp_attention_end_to_end(fmt, p_mode, max_rel_l2, min_cos, causal, n):
     """lowp_attention (quantize + kernel) against float32 SDPA on Gaussian inputs, GQA.
 
     Bounds sit above the accuracy of the same numerics (reference emulation and kernel,
-    docs/perf-notes/): rel-L2 fp8 direct 0.040-0.043, exp 0.037-0.039, fp4 0.39-0.43
+    docs/perf-notes/2026-11.md, "Accuracy"): rel-L2 fp8 direct 0.040-0.043, exp 0.037-0.039, fp4 0.39-0.43
     (the format's, not the kernel's); BF16 SDPA is 0.002."""
     from fp4_inductor.attention import lowp_attention
 

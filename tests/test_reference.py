@@ -121,7 +121,7 @@ def test_backward_rebuilds_forward_probabilities(p_mode):
 def test_gradients_against_fp64(causal, heads):
     """Gradients of the FP8 path vs fp64 autograd of exact attention on Gaussian inputs.
     Measured on CPU (N=200, D=64): rel-L2 dQ 0.075, dK 0.074, dV 0.057; E5M2 dO and
-    E4M3 dS dominate (see docs/perf-notes/)."""
+    E4M3 dS dominate (docs/perf-notes/2026-11.md, "Backward numerics")."""
     h, hkv = heads
     q = torch.randn(2, h, 200, 64, requires_grad=True)
     k = torch.randn(2, hkv, 200, 64, requires_grad=True)

@@ -1,5 +1,6 @@
 """Check and time forward-kernel variants in one run (the measurements behind the
-defaults in kernels/triton/attention_fwd.py; see docs/perf-notes/).
+defaults in kernels/triton/attention_fwd.py; see docs/perf-notes/2026-11.md, "Versions:
+prediction → measurement").
 
     python benchmarks/explore_forward.py [--quick]
     python benchmarks/explore_forward.py --kernel-only [--ns 4096 16384] [--ds 128 64]

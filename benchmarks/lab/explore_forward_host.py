@@ -8,7 +8,8 @@ case), on CPU tensors, with the device check answered "sm_90" and every kernel l
 (the quantization's two, the Gluon forward's) replaced by a no-op that counts it.  What
 remains is ours: the custom-op dispatch, the output allocations, the dispatch checks,
 the TMA descriptors, the launchers' argument lists.  Triton's own launch (its argument
-binder and the driver call, ~50 us a launch on the H200's host, docs/perf-notes/) is
+binder and the driver call, ~50 us a launch on the H200's host, docs/perf-notes/2026-11.md, "Where a short step's host
+time goes") is
 not in these numbers.  Rows: each op through ``torch.ops`` and each launcher called
 directly, microseconds a call (median of 5 rounds).  ``--profile``: cProfile's top entries.
 """

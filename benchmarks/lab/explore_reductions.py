@@ -1,5 +1,5 @@
 """How fast float32 reductions into L2 run on this GPU, in the pattern a dK/dV kernel
-that also computes dQ would issue them (``docs/perf-notes/2026-11.md``, "dQ without recomputing").
+that also computes dQ would issue them (``docs/perf-notes/2026-11.md``, "Next: dQ without recomputing").
 
     python benchmarks/lab/explore_reductions.py [--ns 4096 16384] [--ds 128 64]
     python benchmarks/lab/explore_reductions.py --compile-only   # sm_90 SASS of the TMA variant, no GPU

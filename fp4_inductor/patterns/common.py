@@ -7,10 +7,14 @@ import dataclasses
 import operator
 import re
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
+import torch.nn.functional as nnf
+
+if TYPE_CHECKING:  # masks.py imports this module
+    from .masks import MaskStructure
 
 # Dynamo graphs spell one operation several ways; matchers ask for the canonical kind.
 _FUNCTION_KINDS = {
@@ -21,7 +25,7 @@ _FUNCTION_KINDS = {
     torch.einsum: "einsum",
     torch.functional.einsum: "einsum",
     torch.softmax: "softmax",
-    F.softmax: "softmax",
+    nnf.softmax: "softmax",
     torch.transpose: "transpose",
     torch.permute: "permute",
     operator.mul: "mul",
@@ -34,11 +38,11 @@ _FUNCTION_KINDS = {
     operator.add: "add",
     operator.iadd: "add",
     torch.add: "add",
-    F.dropout: "dropout",
+    nnf.dropout: "dropout",
     torch.dropout: "dropout",
     torch.where: "where",
     torch.masked_fill: "masked_fill",
-    F.scaled_dot_product_attention: "sdpa",
+    nnf.scaled_dot_product_attention: "sdpa",
     # aten-level graphs (exported programs, or aten calls in user code): Dynamo's graphs
     # call the packet, exported ones the overload
     torch.ops.aten.scaled_dot_product_attention: "sdpa",
@@ -226,7 +230,7 @@ class Site:
     # Set by matchers whose q/k/v are not [..., N, D] head tensors (nn.MultiheadAttention).
     dims: tuple | None = None
     weights: tuple = ()  # parameters the site multiplies by, for "does it train?"
-    structure: object = None  # masks.MaskStructure
+    structure: MaskStructure | None = None
     empty_rows: str = "zero"
     mask_note: str | None = None  # mask_kind() of a site whose masks are call arguments (MHA)
     call_masks: tuple | None = None  # the fused call's own mask arguments (None where absent)

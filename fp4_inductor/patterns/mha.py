@@ -1,5 +1,5 @@
 """``nn.MultiheadAttention`` (and ``nn.Transformer*Layer``, torchvision's ViT), which
-Dynamo keeps as one opaque ``F.multi_head_attention_forward`` call.
+Dynamo keeps as one opaque ``torch.nn.functional.multi_head_attention_forward`` call.
 
 The replacement, ``runtime.mha_lowp``, does what that function does on its common path
 (in-projection, heads, attention, out-projection) with ``lowp_attention`` for the
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
+import torch.nn.functional as nnf
 
 from ..runtime import bind_attention, mha_lowp
 from .common import Site, arg, module_path, value
@@ -31,7 +31,7 @@ def mha_args(node: fx.Node) -> dict:
 
 
 def match_mha(node: fx.Node) -> Site | None:
-    if node.op != "call_function" or node.target is not F.multi_head_attention_forward:
+    if node.op != "call_function" or node.target is not nnf.multi_head_attention_forward:
         return None
     a = mha_args(node)
     site = Site("mha", node, q=a["query"], k=a["key"], v=a["value"], causal=bool(a["is_causal"]),

@@ -1,4 +1,4 @@
-"""``F.scaled_dot_product_attention`` calls in the Dynamo graph."""
+"""``torch.nn.functional.scaled_dot_product_attention`` calls in the Dynamo graph."""
 
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ tile j-1's product under tile j's S and dP instead (the forward's P·V order) ke
 product's part (float32 [64, D] each), S (int32) and dP (float32 [64, 128] each) live and
 spilled: a 320-byte frame and ~2 KB of spill stores at D = 128, where on the H200 a third
 of its stalls waited on local memory, and a 32-byte frame at D = 64.  In this order neither
-head dim spills (docs/perf-notes/).
+head dim spills (docs/perf-notes/2026-11.md, "Where the backward's time goes now").
 
 Scope (``supports``): P mode direct, no bias or a key-row bias, D in {64, 128}, Nk a multiple of 16; Q, K,
 V and the row vectors contiguous, dO with any strides TMA accepts, dQ (stored through
@@ -29,7 +29,7 @@ it: ``key_bias.tile_ranges`` narrows each program's key tiles to those that keep
 (dS is 0 on the others), the zero run is unmasked and its edge tiles add the bias
 (``attention_fwd._scores``).  Its gradients equal the Triton kernel's bit for bit on the
 H200, and the padded training step's kernels run 1.6-3.8x faster than on the Triton
-kernels (docs/perf-notes/2026-12.md).
+kernels (docs/perf-notes/2026-12.md, "The Gluon backward takes key padding: switched on").
 """
 
 from __future__ import annotations

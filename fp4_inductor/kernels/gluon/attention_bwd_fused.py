@@ -28,7 +28,7 @@ Versus the two kernels: no dQ kernel recomputing S, P and dP (38-43 % of the bac
 kernel time), no two-level sums for dK and dV (4 instructions a score and 96 registers at
 D = 128), no token-major Keᵀ or Qeᵀ, and no E4M3 copies of Q and K at all: the backward
 graph hands this kernel the forward's codes (``kernels.fused_backward_applies``).  Measured
-on an H100 (``docs/perf-notes/2026-12.md``), the version with E4M3 dK and Ke ran 1.09-1.18x
+on an H100 (``docs/perf-notes/2026-12.md``, "v3 and D = 64 measured"), the version with E4M3 dK and Ke ran 1.09-1.18x
 the two kernels at D = 128; this one is not measured yet.
 
 Scope (``covers`` and ``supports``): P mode direct, D = 64 or 128, no bias, SDPA's causal
@@ -117,7 +117,7 @@ def _consumer(args, WG: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, STAGES
     issued in step c + 1, after dK's: the other warpgroup's half of dS(c) is ready by then
     unless it runs a step behind, so the two warpgroups need not keep in step (issued in
     step c, it held them in step; on the H100 the two orders measured within 1 %,
-    docs/perf-notes/)."""
+    docs/perf-notes/2026-12.md, "The one-kernel FP8 backward, first versions")."""
     dos_ptr, vs_ptr, kes_ptr, dk_ptr, dv_ptr, dq_desc, smem, bars, out_strides, ks, b, kv_head, H, GROUP, k0, \
         j_lo, n_q, NQ, NK = args
     k_smem, v_smem, ke16, q_bufs, do_bufs, dot_bufs, q16_bufs, row_bufs, ds_smem, dq_smem = smem

@@ -57,7 +57,8 @@ BLOCK_N = F.KEY_TILE
 BM_WG = 64  # query rows per consumer warpgroup (two per program)
 ONES_N = gl.constexpr(8)  # the narrowest wgmma: P times [BN, 8] ones gives each row's sum 8 times
 E4M3_ONE = gl.constexpr(0x38)
-NUM_STAGES = 2  # K/V ring depth: 3 measured no faster on the H200 (docs/perf-notes/)
+NUM_STAGES = 2  # K/V ring depth: 3 measured no faster on the H200
+# (docs/perf-notes/2026-11.md, "Warp-specialised forward in Gluon", g2)
 # Registers of the warp-specialised kernels here (forward, dQ, dK/dV): setmaxnreg values of
 # the worker partitions (a second consumer warpgroup where there is one, the producer), and
 # the launch's cap per thread (12 warps share the register file).
@@ -318,7 +319,8 @@ def _consumer(qs_ptr, ks_ptr, vs_ptr, out_ptr, lse_ptr, ref_ptr, bias_row, smem,
     # Tiles lo+1 .. hi-1: unmasked from b1 up to full_hi, masked after (the diagonal, the
     # keys' end, a key bias's last edge tile).  No loop runs before the unmasked one: in a
     # second loop the compiler carries P's codes unpacked and repacks them every tile
-    # (~35 % more instructions, docs/perf-notes/).  So a window's lower edge, at most
+    # (~35 % more instructions, docs/perf-notes/2026-12.md, "Key padding in the Gluon
+    # forward").  So a window's lower edge, at most
     # tiles lo and lo + 1 (its 128 rows' edges span 128 keys), is the prologue's tile and
     # one more straight-line step (``_fwd_ws`` gives windowed programs two tiles at
     # least; a tile past the visible ones is masked out whole); a key bias's first edge

@@ -428,7 +428,8 @@ def _bwd_dq_kernel(
 # 128-key tile, whose dK/dV accumulators alone take 2 * 128 * D fp32 (both kernels still
 # spill at 255 registers).  One stage measured faster than two on the H200 (fewer
 # spills): 5.9 vs 7.0 ms for both kernels at B=4, H=16, N=4096, D=128 causal, with
-# 128-query dQ tiles (64-query: dQ 2.35 vs 2.29 ms, docs/perf-notes/).
+# 128-query dQ tiles (64-query: dQ 2.35 vs 2.29 ms, docs/perf-notes/2026-11.md, "Training (bench_attention.py
+# --training", "Run 2").
 CONFIG = {"dkdv": (8, 1), "dq": (8, 1)}
 # MIXED_F16: run the E4M3 x E5M2 products (dP, dV) as fp16 x fp16 (exact, same numbers).
 OPTIONS = dict(MIXED_F16=False)

@@ -5,7 +5,8 @@ Computes what ``reference.attention_forward`` specifies: key tiles of
 probability operand of ``formats.probability_operand`` (bit-identical codes).  Row sums
 and the running output are float32; each tile's P.V is accumulated by the fp8 tensor
 cores (fewer mantissa bits than float32), so outputs match the reference to ~1e-4
-rel-L2 and the LSE to ~2e-6 (docs/perf-notes/).
+rel-L2 and the LSE to ~2e-6 (docs/perf-notes/2026-11.md, "Forward kernel performance
+notes", "Accuracy").
 
 One kernel family, specialised at compile time on the P mode, causal structure (a
 diagonal offset and a sliding window, ``formats.visible``; key tiles it hides are skipped,
@@ -49,7 +50,7 @@ def _e4m3_code(v):
     """E4M3 code (RNE, saturating) of float32 ``v`` as an int32 0..126, one cvt each.
     Written out in PTX because Triton 3.6's float32 -> fp8 tensor conversion, on the
     wgmma accumulator layout feeding this kernel's P path, gave wrong codes on the H200
-    (docs/perf-notes/); the int32 code then takes the same path as Direct-P's."""
+    (docs/perf-notes/2026-11.md, "Things met on the way"); the int32 code then takes the same path as Direct-P's."""
     return tl.inline_asm_elementwise(
         "{ .reg .b16 t; cvt.rn.satfinite.e4m3x2.f32 t, 0f00000000, $1; cvt.u32.u16 $0, t; }",
         "=r,f", [v], dtype=tl.int32, is_pure=True, pack=1)
@@ -431,9 +432,10 @@ def _fwd_kernel(
 # (BLOCK_M, num_warps, num_stages, maxnreg).  BLOCK_M must divide KEY_TILE.  128/8 keeps
 # two warpgroups per program in lockstep (one program per SM); 64/4 with a register cap
 # fits 2-4 programs per SM, whose softmax and tensor-core phases interleave (Triton gives
-# no ping-pong within one program).  Measured in docs/perf-notes/.
+# no ping-pong within one program).  Measured in docs/perf-notes/2026-11.md, "Forward
+# kernel performance notes", "Versions: prediction → measurement".
 CONFIGS = [(128, 8, 2, None), (128, 8, 3, None), (64, 4, 2, None), (64, 4, 2, 168), (64, 4, 3, 168)]
-# Measured best on the H200 (docs/perf-notes/); used unless a config is passed or
+# Measured best on the H200 (the same section, its row "final"); used unless a config is passed or
 # FP4ATTN_AUTOTUNE=1.  Causal D=128 favours the two-warpgroup tile from 16k keys on.
 _SMALL, _BIG, _D64 = (64, 4, 2, 168), (128, 8, 3, None), (64, 4, 3, 168)
 
@@ -488,7 +490,8 @@ def _descriptor(t: torch.Tensor, block_shape):
 # Gather K rows so that P needs no register shuffles before the P.V wgmma (see
 # _key_permutation); costs TMA for K (a permuted row gather is a pointer load).
 PERM_P = True
-# Switches measured in docs/perf-notes/.  PV_SPLIT: per-tile P.V in a fresh wgmma
+# Switches measured in docs/perf-notes/2026-11.md, "Versions: prediction → measurement"
+# (v2).  PV_SPLIT: per-tile P.V in a fresh wgmma
 # accumulator added in float32 (10x closer to the reference, same speed); CVT_I2F: the
 # INT8 scores converted by I2FP instead of a magic-number add (fewer instructions).
 OPTIONS = dict(PV_SPLIT=True, CVT_I2F=True)

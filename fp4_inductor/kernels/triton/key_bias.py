@@ -23,7 +23,8 @@ from ... import formats as F
 
 TILES_PER_STEP = 16  # key tiles each step of _tile_ranges reads (2048 biases at 128 keys)
 # The Triton kernels (forward, dQ, dK/dV) skip the key tiles a key-row bias masks wholly
-# (exact; measured on the H200, docs/perf-notes/).  A switch so that a benchmark or test
+# (exact; measured on the H200, docs/perf-notes/2026-12.md, "The Triton key-tile skipping
+# on the H200").  A switch so that a benchmark or test
 # can run them over every tile; the Gluon forward always skips.
 TRITON_SKIPS_MASKED_TILES = True
 
