@@ -548,3 +548,24 @@ def test_tune_writes_and_reuses_decisions(tmp_path, monkeypatch):
         report = fp4_inductor.explain(module, x, policy="auto")
     assert report.sites[0].reason.startswith("tuned on this GPU")
     assert report.sites[0].path == results[0].entry["path"]
+
+
+@pytest.mark.parametrize("scale, kept", [(None, True), (-1.0, True), (2.0, True), (4.0, False), (-1e4, False),
+                                         (((1e4, False), (0.5, True)), False), (((8.0, True),), True)])
+def test_near_one_hot_scales_keep_bf16(scale, kept):
+    """Softmax scales beyond 16/sqrt(D) make attention near one-hot, where 8-bit Q/K swap
+    near-tied keys (SDPA's test with scale -1e4: 0.14-0.21 rel-L2): such sites keep BF16
+    under every policy, and explain says why."""
+    site = dataclasses.replace(_site(d=64), scale=scale)
+    reason = policy.unsupported_reason(site)
+    assert (reason is None) == kept, reason
+    if not kept:
+        assert "near one-hot" in reason
+        assert policy.decide(site, Options(policy="always")).path == "bf16"
+
+
+def test_near_one_hot_sdpa_site_falls_back_when_compiled():
+    q, k, v = (torch.randn(1, 2, 64, 64) for _ in range(3))
+    fn = lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=-1e4)  # noqa: E731
+    report = fp4_inductor.explain(fn, q, k, v)
+    assert [s.path for s in report.sites] == ["bf16"] and "near one-hot" in report.sites[0].reason
