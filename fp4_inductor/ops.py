@@ -48,10 +48,10 @@ def define(name: str):
     return register
 
 
-def _launch(op: str, kernel, *args) -> None:
+def _launch(op: str, kernel, *args):
     """``kernel(*args)``, its failure raised as ours with what the call was."""
     try:
-        kernel(*args)
+        return kernel(*args)
     except Exception as err:
         raise KernelError(f"fp4attn::{op} kernel failed for {_describe(args)}: {type(err).__name__}: {err}") from err
 
@@ -63,9 +63,13 @@ def _describe(args) -> str:
     return f"operands {shapes} on {device}"
 
 
+def _reference_asked() -> bool:
+    return os.environ.get("FP4ATTN_REFERENCE_ON_GPU") == "1"
+
+
 def _reference_allowed(op: str, *operands: torch.Tensor) -> None:
     """The reference may stand in for a kernel on the CPU, or on a GPU when asked."""
-    if operands[0].is_cuda and os.environ.get("FP4ATTN_REFERENCE_ON_GPU") != "1":
+    if operands[0].is_cuda and not _reference_asked():
         name = torch.cuda.get_device_name(operands[0].device)
         raise KernelError(f"no fp4attn::{op} kernel runs {_describe(operands)} ({name}); the float64 reference "
                           "would run in its place at orders of magnitude the time: leave this site to SDPA "
@@ -277,14 +281,10 @@ def attention_bf16_bwd(
     inputs, the FP8 forward's O and its natural-log LSE, by a BF16 FlashAttention-class
     kernel (``kernels.bf16_backward``); ``bias`` is the kernels' float32 log2-unit bias of
     the call's unpadded keys.  Where no kernel runs, ``reference.bf16_attention_backward``."""
-    results = None
-    if q.is_cuda and not _no_work(q, k) and os.environ.get("FP4ATTN_REFERENCE_ON_GPU") != "1":
-        try:
-            results = bf16_backward.backward(dout, q, k, v, out, lse, bias, scale, causal, diagonal, window)
-        except Exception as err:
-            raise KernelError(f"fp4attn::bf16_bwd failed for {_describe((dout, q, k, v))}: "
-                              f"{type(err).__name__}: {err}") from err
-    if results is None:
+    if q.is_cuda and not _no_work(q, k) and not _reference_asked():
+        results = _launch("bf16_bwd", bf16_backward.backward, dout, q, k, v, out, lse, bias, scale, causal, diagonal,
+                          window)
+    else:
         results = reference.bf16_attention_backward(dout, q, k, v, out, lse, bias, scale, causal, diagonal, window)
     # The layout the fake promises (a copy only where the kernel's differs).
     return tuple(g if g.stride() == torch.empty_like(t, device="meta").stride() else torch.empty_like(t).copy_(g)
