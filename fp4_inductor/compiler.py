@@ -115,14 +115,14 @@ def rewrite_and_compile(gm: torch.fx.GraphModule, options: Options, compile_fn) 
     whole frame to eager, or fails it under ``fullgraph``."""
     original = [(module, _copy_graph(module.graph)) for module in gm.modules() if isinstance(module, torch.fx.GraphModule)]
     records = rewrite(gm, options)
-    if not any(r.rewritten for r in records):
-        return compile_fn(gm), records
     try:
         return compile_fn(gm), records
     except (torch._dynamo.exc.RestartAnalysis, torch._dynamo.exc.SkipFrame):
         raise  # Dynamo's own control flow (a restart with other specialisations), not a failure
-    except Exception as err:  # our ops' trace failed: the sites go back to SDPA
-        summary = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"[:300]
+    except Exception as err:
+        if not any(r.rewritten for r in records):
+            raise  # the graph as the model wrote it: not ours to leave
+        summary = error_summary(err)  # our ops' trace failed: the sites go back to SDPA
         for module, graph in original:
             module.graph = graph
             module.recompile()
@@ -133,6 +133,13 @@ def rewrite_and_compile(gm: torch.fx.GraphModule, options: Options, compile_fn) 
         records = [dataclasses.replace(r, path="bf16", reason=reason, predicted_speedup=None, rewritten=False)
                    if r.rewritten else r for r in records]
         return compile_fn(gm), records
+
+
+def error_summary(err: Exception) -> str:
+    """The first line of an error and, for Dynamo's, the line that explains it."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    picked = lines[:1] + [line for line in lines[1:] if line.startswith("Explanation:")][:1]
+    return f"{type(err).__name__}: {' '.join(picked)}"[:600]
 
 
 def _copy_graph(graph: torch.fx.Graph) -> torch.fx.Graph:

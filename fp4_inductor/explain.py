@@ -7,7 +7,7 @@ import dataclasses
 import torch
 
 from . import config
-from .compiler import SiteRecord, rewrite_and_compile
+from .compiler import SiteRecord, error_summary, rewrite_and_compile
 from .eager import recording
 from .probe import run_once
 
@@ -102,7 +102,7 @@ def explain(model_or_fn, *args, policy: str | None = None, fmt: str | None = Non
     try:
         run_once(model_or_fn, recording_backend, *args, **kwargs)
     except Exception as err:  # reported: explain is how a user finds out why
-        error = _summary(err)
+        error = error_summary(err)
     breaks = [_break_line(reason) for reason in counters["graph_break"]]
     return Report(records, graphs=len(graphs), graph_breaks=breaks, error=error)
 
@@ -114,7 +114,7 @@ def _explain_eager(model_or_fn, args, kwargs, policy, fmt) -> Report:
         try:
             model_or_fn(*args, **kwargs)
         except Exception as err:  # reported, as a failed trace is
-            error = _summary(err)
+            error = error_summary(err)
     return Report(records, error=error, eager=True)
 
 
@@ -124,10 +124,3 @@ def _break_line(reason: str) -> str:
     lines = [line.strip() for line in reason.strip().splitlines() if line.strip()]
     hints = [line for line in lines[1:] if line.startswith("Hint:")]
     return "; ".join(lines[:1] + hints[:1])
-
-
-def _summary(err: Exception) -> str:
-    """The first line of an error and, for Dynamo's, the line that explains it."""
-    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-    picked = lines[:1] + [line for line in lines[1:] if line.startswith("Explanation:")][:1]
-    return f"{type(err).__name__}: {' '.join(picked)}"[:600]
